@@ -1,0 +1,49 @@
+"""Grouped matrix products: one launch for many (rows, weight) groups.
+
+``torch._grouped_mm`` runs the groups of a jagged batch in one kernel on Hopper (bf16) and on the CPU
+(fp32). Where it cannot run (other dtypes, misaligned shapes, older GPUs) we fall back to a loop of
+plain matmuls, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return all((s * t.element_size()) % 16 == 0 for s in t.shape[-2:])
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run ``x`` against stacked weights ``w`` on this device."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if not (_aligned(x) and _aligned(w)):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if x.device.type == "cpu":
+        return x.dtype == torch.float32
+    return False
+
+
+def offsets_from_sizes(sizes: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    """Cumulative group ends (int32), the ``offs`` argument of ``torch._grouped_mm``."""
+    sizes = torch.as_tensor(sizes, device=device)
+    return torch.cumsum(sizes, 0).to(torch.int32)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``y[rows of group g] = x[rows of group g] @ w[g].T`` for stacked weights ``w`` of shape
+    ``[G, out, in]``; ``offsets`` (int32, cumulative ends) must end at ``len(x)``."""
+    if grouped_mm_supported(x, w) and x.shape[0] > 0:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    ends = offsets.tolist()
+    parts, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            parts.append(x[start:end] @ w[g].transpose(-2, -1))
+        start = end
+    if not parts:
+        return x.new_zeros(0, w.shape[1])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -1,0 +1,91 @@
+"""Causal attention over packed documents.
+
+A packed batch concatenates documents without padding; attention must stay inside each document
+(``cu_seqlens`` marks their boundaries). On CUDA we use variable-length flash attention
+(``torch.nn.attention.varlen``); elsewhere a loop of ``scaled_dot_product_attention`` over the
+documents, which is exact and cheap at test sizes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ember.core.config import AttentionSpec
+
+
+@lru_cache(maxsize=None)
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _sliding_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
+
+
+def sdpa_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, scale: float
+) -> torch.Tensor:
+    """Causal attention for one document: q ``[n, Hq, D]``, k/v ``[n, Hkv, D]`` -> ``[n, Hq, Dv]``."""
+    rep = q.shape[1] // k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if rep > 1:
+        kh = kh.repeat_interleave(rep, dim=0)
+        vh = vh.repeat_interleave(rep, dim=0)
+    if spec.kind == "sliding" and spec.window is not None and spec.window < q.shape[0]:
+        mask = _sliding_mask(q.shape[0], spec.window, q.device)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    return out.transpose(0, 1)
+
+
+class PackedAttention:
+    """Attention for a packed batch of documents, all starting at position 0 (training, scoring)."""
+
+    def __init__(self, doc_lengths: list[int], device: torch.device, backend: str | None = None):
+        self.doc_lengths = list(doc_lengths)
+        self.max_seqlen = max(self.doc_lengths) if self.doc_lengths else 0
+        lengths = torch.tensor([0] + self.doc_lengths, dtype=torch.int32)
+        self.cu_seqlens = torch.cumsum(lengths, 0, dtype=torch.int32).to(device)
+        self.backend = backend or ("varlen" if device.type == "cuda" and _varlen_fn()[0] else "sdpa")
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, scale: float
+    ) -> torch.Tensor:
+        if self.backend == "varlen" and q.dtype in (torch.bfloat16, torch.float16):
+            return self._varlen(q, k, v, spec, scale)
+        outs, start = [], 0
+        for n in self.doc_lengths:
+            outs.append(sdpa_document(q[start : start + n], k[start : start + n], v[start : start + n], spec, scale))
+            start += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _varlen(self, q, k, v, spec: AttentionSpec, scale: float) -> torch.Tensor:
+        fn, params = _varlen_fn()
+        kwargs = {"scale": scale}
+        window = spec.window if spec.kind == "sliding" else None
+        if "window_size" in params:
+            kwargs["window_size"] = (window - 1, 0) if window else (-1, 0)
+        else:
+            if window:
+                raise NotImplementedError("this torch's varlen_attn has no sliding window")
+            kwargs["is_causal"] = True
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in params:
+                kwargs["enable_gqa"] = True
+            else:
+                rep = q.shape[1] // k.shape[1]
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+        cu = self.cu_seqlens
+        return fn(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, **kwargs)

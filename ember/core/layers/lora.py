@@ -1,0 +1,203 @@
+"""LoRA for a batch that mixes adapters.
+
+A packed batch holds the tokens of several adapters (and of the bare base model) in contiguous
+groups, ordered by adapter. Each adaptable linear computes its frozen base product over all tokens
+at once, then asks the batch's :class:`LoraRoute` for the low-rank correction of its own tokens:
+one plain product pair when a single adapter owns the batch, otherwise grouped products
+(``torch._grouped_mm`` on Hopper) over the adapters' stacked ``A``/``B`` factors. Only the adapters
+present in the batch are touched, so configuring more adapter slots costs nothing per step.
+
+Factor layout follows PEFT: ``A`` is ``[r, in]`` and ``B`` is ``[out, r]`` (``[E, r, in]`` /
+``[E, out, r]`` for MoE experts); the correction is ``scale * x @ A.T @ B.T`` with
+``scale = alpha / r``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
+
+
+@dataclass
+class LoraWeights:
+    """The two factors of one adapted module (fp32 master copies; cast to the activation dtype)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[-2]
+
+
+class AdapterWeights(Protocol):
+    """What a route needs from an adapter: its factors by module name and its scale."""
+
+    weights: dict[str, LoraWeights]
+    scale: float
+
+
+@dataclass
+class TokenGroup:
+    """A contiguous run ``[start, end)`` of tokens that use ``adapter`` (``None``: the base model)."""
+
+    adapter: AdapterWeights | None
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def _pad_rank(w: LoraWeights, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    A, B = w.A.to(dtype), w.B.to(dtype)
+    extra = rank - w.rank
+    if extra:
+        A = F.pad(A, (0, 0, 0, extra))
+        B = F.pad(B, (0, extra))
+    return A, B
+
+
+@dataclass
+class LoraRoute:
+    """Which adapter each token of a packed batch uses, and the corrections that follow from it."""
+
+    groups: list[TokenGroup]
+    device: torch.device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        expect = 0
+        for g in self.groups:
+            if g.start != expect:
+                raise ValueError("token groups must be contiguous and start at 0")
+            expect = g.end
+        self.num_tokens = expect
+
+    @property
+    def adapted(self) -> bool:
+        """Whether any token uses an adapter."""
+        return any(g.adapter is not None for g in self.groups)
+
+    def _offsets(self) -> torch.Tensor:
+        if "offsets" not in self._cache:
+            self._cache["offsets"] = offsets_from_sizes([g.size for g in self.groups], self.device)
+        return self._cache["offsets"]
+
+    def token_group(self) -> torch.Tensor:
+        """Group index of every token, ``[T]`` (long)."""
+        if "token_group" not in self._cache:
+            sizes = torch.tensor([g.size for g in self.groups], device=self.device)
+            self._cache["token_group"] = torch.repeat_interleave(
+                torch.arange(len(self.groups), device=self.device), sizes
+            )
+        return self._cache["token_group"]
+
+    def _group_scales(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(
+            [g.adapter.scale if g.adapter is not None and name in g.adapter.weights else 0.0 for g in self.groups],
+            dtype=dtype,
+            device=self.device,
+        )
+
+    def _active(self, name: str) -> list[LoraWeights | None]:
+        return [g.adapter.weights.get(name) if g.adapter is not None else None for g in self.groups]
+
+    def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The low-rank correction of module ``name`` for every token of ``x`` ``[T, in]``, or
+        ``None`` when no adapter in the batch targets it."""
+        active = self._active(name)
+        present = [w for w in active if w is not None]
+        if not present:
+            return None
+        if len(self.groups) == 1:
+            w, scale = present[0], self.groups[0].adapter.scale
+            return F.linear(F.linear(x, w.A.to(x.dtype)) * scale, w.B.to(x.dtype))
+        rank = max(w.rank for w in present)
+        As, Bs = [], []
+        for w in active:
+            if w is None:
+                ref = present[0]
+                As.append(x.new_zeros(rank, ref.A.shape[-1]))
+                Bs.append(x.new_zeros(ref.B.shape[0], rank))
+            else:
+                A, B = _pad_rank(w, rank, x.dtype)
+                As.append(A)
+                Bs.append(B)
+        offsets = self._offsets()
+        h = grouped_linear(x, torch.stack(As), offsets)
+        h = h * self._group_scales(name, x.dtype)[self.token_group()][:, None]
+        return grouped_linear(h, torch.stack(Bs), offsets)
+
+    def expert_delta(
+        self,
+        name: str,
+        x: torch.Tensor,
+        row_group: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        pair_offsets: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Correction for routed-expert rows ``x`` sorted by (expert, group).
+
+        ``row_group`` is the token group of each row; ``expert_offsets`` ends each expert's rows;
+        ``pair_offsets`` ends each (expert, group) run (needed when the batch has several groups).
+        """
+        active = self._active(name)
+        present = [w for w in active if w is not None]
+        if not present:
+            return None
+        if len(self.groups) == 1:
+            w, scale = present[0], self.groups[0].adapter.scale
+            h = grouped_linear(x, w.A.to(x.dtype), expert_offsets) * scale
+            return grouped_linear(h, w.B.to(x.dtype), expert_offsets)
+        rank = max(w.rank for w in present)
+        ref = present[0]
+        num_experts = ref.A.shape[0]
+        As, Bs = [], []
+        for w in active:
+            if w is None:
+                As.append(x.new_zeros(num_experts, rank, ref.A.shape[-1]))
+                Bs.append(x.new_zeros(num_experts, ref.B.shape[1], rank))
+            else:
+                A, B = _pad_rank(w, rank, x.dtype)
+                As.append(A)
+                Bs.append(B)
+        G = len(self.groups)
+        A_pairs = torch.stack(As, dim=1).reshape(num_experts * G, rank, -1)
+        B_pairs = torch.stack(Bs, dim=1).reshape(num_experts * G, -1, rank)
+        h = grouped_linear(x, A_pairs, pair_offsets)
+        h = h * self._group_scales(name, x.dtype)[row_group][:, None]
+        return grouped_linear(h, B_pairs, pair_offsets)
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear layer that adds the batch's LoRA corrections for its tokens.
+
+    ``lora_name`` is the module's path in the Hugging Face model (e.g.
+    ``model.layers.0.self_attn.q_proj``), the key of its factors in every adapter; ``category`` is
+    ``attn``, ``mlp`` or ``unembed`` (Tinker's ``train_attn`` / ``train_mlp`` / ``train_unembed``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, category: str):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.category = category
+        self.lora_name = ""
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor, lora: LoraRoute | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if lora is not None:
+            d = lora.delta(self.lora_name, x)
+            if d is not None:
+                y = y + d
+        return y

@@ -1,0 +1,118 @@
+"""Build a model from a local Hugging Face folder (``config.json`` + safetensors, sharded or not).
+
+Checkpoint names map onto our modules by name. Per-expert MoE weights
+(``mlp.experts.{e}.gate_proj.weight`` …) are stacked into the fused ``gate_up_proj`` / ``down_proj``
+parameters as transformers 5 does in memory; checkpoints already in the fused layout load as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ember.core.config import ModelConfig, load_config
+from ember.core.layers.norms import RMSNorm
+from ember.core.models import CausalLM, model_class
+
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model folder (from ``model.safetensors.index.json`` if present)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return files
+
+
+def build_empty(cfg: ModelConfig) -> CausalLM:
+    """The model's modules on the meta device (no memory), ready to be materialised."""
+    with torch.device("meta"):
+        return model_class(cfg)(cfg)
+
+
+def _materialise(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    model.to_empty(device=device)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> CausalLM:
+    """Load a model folder onto ``device`` with weights in ``dtype``."""
+    device = torch.device(device)
+    cfg = load_config(model_dir)
+    model = build_empty(cfg)
+    _materialise(model, device, dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                m = _EXPERT_KEY.match(key)
+                if m:
+                    experts[m["prefix"]][int(m["e"])][m["proj"]] = f.get_tensor(key)
+                    continue
+                if key in params:
+                    with torch.no_grad():
+                        params[key].copy_(f.get_tensor(key))
+                    filled.add(key)
+    for prefix, per_expert in experts.items():
+        gate_up, down = params.get(f"{prefix}.gate_up_proj"), params.get(f"{prefix}.down_proj")
+        if gate_up is None or down is None:
+            continue
+        n = gate_up.shape[0]
+        if sorted(per_expert) != list(range(n)):
+            raise ValueError(f"{prefix}: checkpoint has experts {sorted(per_expert)[:5]}…, model expects {n}")
+        with torch.no_grad():
+            for e, t in per_expert.items():
+                inter = t["gate_proj"].shape[0]
+                gate_up[e, :inter].copy_(t["gate_proj"])
+                gate_up[e, inter:].copy_(t["up_proj"])
+                down[e].copy_(t["down_proj"])
+        filled |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
+    if cfg.tie_word_embeddings:
+        filled.add("lm_head.weight")
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. {missing[:5]}")
+    return model.eval()
+
+
+def init_random(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
+    """Fill a materialised model with random weights (norms at their identity value)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    norm_weights = {id(m.weight): m.zero_centred for m in model.modules() if isinstance(m, RMSNorm)}
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if id(p) in norm_weights:
+                p.fill_(0.0 if norm_weights[id(p)] else 1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model
+
+
+def random_model(
+    cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> CausalLM:
+    """A model of shape ``cfg`` with random weights, built directly on ``device`` (benchmarks)."""
+    model = build_empty(cfg)
+    _materialise(model, torch.device(device), dtype)
+    return init_random(model, seed).eval()

@@ -1,0 +1,97 @@
+"""AdamW per adapter, with Tinker's ``AdamParams`` (step-time hyperparameters).
+
+Each adapter owns a ``torch.optim.AdamW`` over its own factors, so one adapter's step never reads or
+writes another's weights, gradients or moments. Gradients accumulate across ``forward_backward``
+calls until ``step`` (which clips, updates and clears them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Tinker's ``AdamParams``: ``grad_clip_norm`` 0 disables clipping; weight decay is decoupled."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first out-of-range field."""
+        checks = [
+            ("learning_rate", self.learning_rate >= 0),
+            ("beta1", 0 <= self.beta1 < 1),
+            ("beta2", 0 <= self.beta2 < 1),
+            ("eps", self.eps >= 0),
+            ("weight_decay", self.weight_decay >= 0),
+            ("grad_clip_norm", self.grad_clip_norm >= 0),
+        ]
+        for name, ok in checks:
+            value = getattr(self, name)
+            if not ok or not math.isfinite(value):
+                raise ValueError(f"adam_params.{name}={value} is out of range")
+
+
+class AdapterOptimizer:
+    """``torch.optim.AdamW`` (fused on CUDA) plus ``clip_grad_norm_`` over one adapter's parameters."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        fused = bool(params) and params[0].device.type == "cuda"
+        self.opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, fused=fused)
+
+    def has_grads(self) -> bool:
+        """Whether any gradient has accumulated since the last step."""
+        return any(p.grad is not None for p in self.params)
+
+    def step(self, hp: AdamParams) -> dict[str, float]:
+        """Clip (if asked), update, clear gradients; returns ``grad_norm`` (before clipping)."""
+        hp.validate()
+        for group in self.opt.param_groups:
+            group.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
+        with_grad = [p for p in self.params if p.grad is not None]
+        if with_grad:
+            max_norm = hp.grad_clip_norm if hp.grad_clip_norm > 0 else float("inf")
+            norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+        else:
+            norm = 0.0
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"grad_norm": norm}
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients without stepping."""
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Adam state of every parameter that has stepped, by parameter index (moments and step)."""
+        out = {}
+        for i, p in enumerate(self.params):
+            st = self.opt.state.get(p)
+            if st:
+                out[i] = {
+                    "exp_avg": st["exp_avg"],
+                    "exp_avg_sq": st["exp_avg_sq"],
+                    "step": torch.as_tensor(st["step"], dtype=torch.float32).reshape(1),
+                }
+        return out
+
+    def load_state_tensors(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restore the state saved by :meth:`state_tensors`."""
+        self.opt.state.clear()
+        for i, st in state.items():
+            p = self.params[i]
+            step_device = p.device if self.opt.defaults.get("fused") else "cpu"
+            self.opt.state[p] = {
+                "step": st["step"].reshape(()).to(step_device, torch.float32).clone(),
+                "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
+                "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone(),
+            }

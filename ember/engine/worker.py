@@ -1,0 +1,261 @@
+"""The engine worker: executes model operations for one base model on its device.
+
+It owns the model, the adapter bank and the adapters' optimizers, and speaks Ember's internal
+request types (:mod:`ember.types`), never Tinker wire formats. ``forward_backward`` takes the
+requests of several adapters (and of the bare base model) and runs them as ONE packed pass: each
+request's logprobs and each adapter's gradients are what that request would get alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ember.core.adapters import Adapter, AdapterBank, LoraConfig
+from ember.core.batch import PackedBatch, pack
+from ember.core.checkpoint import load_adapter, save_adapter
+from ember.core.layers.attention import PackedAttention
+from ember.core.loading import load_model
+from ember.core.logprobs import token_logprobs
+from ember.core.losses import loss_sum
+from ember.core.models import CausalLM, ForwardContext
+from ember.core.optim import AdamParams
+from ember.core.peft_format import export_peft, import_peft
+from ember.lossdefs import LOSS_SPECS, resolve_loss_config
+from ember.types import ForwardBackwardInput, ForwardBackwardOutput, InvalidRequest, RequestError
+
+
+class _Prepared:
+    """A validated request, its datums as tensors."""
+
+    def __init__(self, index: int, req: ForwardBackwardInput, config: dict[str, float]):
+        self.index = index
+        self.req = req
+        self.config = config
+        self.tokens: list[np.ndarray] = []
+        self.targets: list[torch.Tensor] = []
+        self.inputs: list[dict[str, torch.Tensor]] = []
+
+
+class Worker:
+    """One base model, its adapter bank, and the operations the service runs on them."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        max_adapters: int = 32,
+        max_rank: int = 64,
+        max_seq_len: int | None = None,
+        logprob_chunk: int | None = None,
+    ):
+        self.model = model
+        self.config = model.config
+        self.bank = AdapterBank(model, max_adapters=max_adapters, max_rank=max_rank)
+        self.device = self.bank.device
+        self.max_seq_len = max_seq_len or self.config.max_position_embeddings
+        self.logprob_chunk = logprob_chunk
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **kwargs
+    ) -> Worker:
+        """Load a local Hugging Face model folder and wrap it in a worker."""
+        return cls(load_model(model_dir, device, dtype), **kwargs)
+
+    # -- adapters -------------------------------------------------------------------------------
+
+    def create_adapter(self, config: LoraConfig) -> int:
+        """Fill a free slot with a new adapter; returns the slot."""
+        return self.bank.create(config).slot
+
+    def reset_adapter(self, slot: int) -> None:
+        self.bank.reset(slot)
+
+    def free_adapter(self, slot: int) -> None:
+        self.bank.free(slot)
+
+    def adapter(self, slot: int) -> Adapter:
+        return self.bank.get(slot)
+
+    # -- forward / backward ---------------------------------------------------------------------
+
+    def _prepare(self, index: int, req: ForwardBackwardInput) -> _Prepared:
+        try:
+            config = resolve_loss_config(req.loss_fn, req.loss_config)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if req.slot and req.slot not in self.bank:
+            raise InvalidRequest(f"adapter slot {req.slot} is empty")
+        if not req.slot and not req.forward_only:
+            raise InvalidRequest("the base model (slot 0) cannot be trained; use forward_only")
+        if not req.datums:
+            raise InvalidRequest("no datums")
+        spec = LOSS_SPECS[req.loss_fn]
+        prep = _Prepared(index, req, config)
+        vocab = self.config.vocab_size
+        for i, d in enumerate(req.datums):
+            where = f"datum {i}"
+            tokens = np.asarray(d.tokens)
+            if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+                raise InvalidRequest(f"{where}: model input must be a non-empty 1-D list of token ids")
+            n = tokens.size
+            if n > self.max_seq_len:
+                raise InvalidRequest(f"{where}: {n} tokens exceed the maximum sequence length {self.max_seq_len}")
+            if tokens.min() < 0 or tokens.max() >= vocab:
+                raise InvalidRequest(f"{where}: token ids must be in [0, {vocab}), got {tokens.min()}..{tokens.max()}")
+            missing = [k for k in spec.inputs if k not in d.loss_inputs]
+            if missing:
+                raise InvalidRequest(f"{where}: loss_fn {req.loss_fn!r} needs loss_fn_inputs {missing}")
+            targets = np.asarray(d.loss_inputs["target_tokens"])
+            if not np.issubdtype(targets.dtype, np.integer):
+                raise InvalidRequest(f"{where}: target_tokens must be integers, got {targets.dtype}")
+            two_d = targets.ndim == 2 and spec.allows_2d_targets
+            if targets.shape[0:1] != (n,) or not (targets.ndim == 1 or two_d):
+                allowed = "[N] or [N, K]" if spec.allows_2d_targets else "[N]"
+                raise InvalidRequest(f"{where}: target_tokens shape {targets.shape} must be {allowed} with N={n}")
+            if targets.size == 0 or targets.min() < 0 or targets.max() >= vocab:
+                raise InvalidRequest(f"{where}: target_tokens must be in [0, {vocab})")
+            inputs: dict[str, torch.Tensor] = {}
+            for key in (*spec.inputs, *spec.optional_inputs):
+                if key == "target_tokens" or key not in d.loss_inputs:
+                    continue
+                arr = np.asarray(d.loss_inputs[key])
+                if arr.shape != targets.shape:
+                    raise InvalidRequest(f"{where}: {key} shape {arr.shape} must equal target_tokens shape {targets.shape}")
+                if not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr)):
+                    raise InvalidRequest(f"{where}: {key} must hold finite numbers")
+                inputs[key] = torch.as_tensor(arr, dtype=torch.float32)
+            if "weights" in spec.optional_inputs and "weights" not in inputs:
+                inputs["weights"] = torch.ones(targets.shape, dtype=torch.float32)
+            prep.tokens.append(tokens)
+            prep.targets.append(torch.as_tensor(targets, dtype=torch.long))
+            prep.inputs.append(inputs)
+        return prep
+
+    def forward_backward(
+        self, requests: Sequence[ForwardBackwardInput]
+    ) -> list[ForwardBackwardOutput | RequestError]:
+        """Run every valid request in one packed pass; invalid ones fail alone with a message."""
+        results: list[ForwardBackwardOutput | RequestError | None] = [None] * len(requests)
+        prepared: list[_Prepared] = []
+        for i, req in enumerate(requests):
+            try:
+                prepared.append(self._prepare(i, req))
+            except InvalidRequest as e:
+                results[i] = RequestError(str(e))
+        if prepared:
+            for p, out in zip(prepared, self._run(prepared)):
+                results[p.index] = out
+        return results  # type: ignore[return-value]
+
+    def _run(self, prepared: list[_Prepared]) -> list[ForwardBackwardOutput]:
+        sequences, keys, owners = [], [], []
+        for p in prepared:
+            for j, tokens in enumerate(p.tokens):
+                sequences.append(tokens)
+                keys.append((p.req.slot, not p.req.forward_only))
+                owners.append((p, j))
+        batch = pack(sequences, keys, self.device)
+        k_max = max(t.shape[1] if t.dim() == 2 else 1 for p in prepared for t in p.targets)
+        targets = batch.gather([_as_2d(p.targets[j], k_max) for p, j in owners]).to(self.device)
+        train = any(not p.req.forward_only for p in prepared)
+        outputs, total = [], None
+        with nullcontext() if train else torch.no_grad():
+            per_seq = batch.split(self.logprobs(batch, targets))
+            cursor = 0
+            for p in prepared:
+                lps = [_match(per_seq[cursor + j], t) for j, t in enumerate(p.targets)]
+                cursor += len(lps)
+                loss = _request_loss(p, lps, self.device)
+                if not p.req.forward_only:
+                    total = loss if total is None else total + loss
+                outputs.append(
+                    ForwardBackwardOutput(
+                        logprobs=[x.detach().float().cpu().numpy() for x in lps],
+                        metrics={"loss:sum": float(loss.detach())},
+                    )
+                )
+            if total is not None:
+                total.backward()
+        return outputs
+
+    def logprobs(self, batch: PackedBatch, targets: torch.Tensor) -> torch.Tensor:
+        """Target log-probabilities ``[T, K]`` of a packed batch (grad-tracking if enabled)."""
+        attention = PackedAttention(batch.doc_lengths, self.device)
+        ctx = ForwardContext(
+            positions=batch.positions,
+            attend=lambda layer, q, k, v, spec, scale: attention(q, k, v, spec, scale),
+            lora=self.bank.route(batch.groups),
+        )
+        hidden = self.model.hidden_states(batch.input_ids, ctx)
+        return token_logprobs(
+            hidden,
+            self.model.unembed_weight,
+            targets,
+            lora=ctx.lora,
+            softcap=self.model.final_logit_softcap,
+            chunk=self.logprob_chunk,
+        )
+
+    # -- optimizer ------------------------------------------------------------------------------
+
+    def optim_step(self, slot: int, params: AdamParams) -> dict[str, float]:
+        """One AdamW step on ``slot``'s adapter with the gradients accumulated since its last step."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        return self.bank.get(slot).optimizer.step(params)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_adapter(
+        self, slot: int, path: str | Path, with_optimizer: bool, metadata: dict | None = None, overwrite: bool = False
+    ) -> Path:
+        """Save ``slot``'s adapter (and optionally its Adam state) to a checkpoint folder."""
+        meta = {"base_model": {"model_type": self.config.model_type, "vocab_size": self.config.vocab_size}}
+        meta.update(metadata or {})
+        return save_adapter(self.bank.get(slot), path, with_optimizer, meta, overwrite)
+
+    def load_adapter(self, path: str | Path, with_optimizer: bool) -> int:
+        """Create an adapter from a checkpoint folder; returns its slot."""
+        return load_adapter(self.bank, path, with_optimizer).slot
+
+    def export_peft(self, slot: int, path: str | Path, base_model: str, layout: str = "peft") -> Path:
+        """Export ``slot``'s adapter as a PEFT folder (``layout``: ``peft`` or ``tinker``)."""
+        return export_peft(self.bank.get(slot), path, base_model, layout)
+
+    def import_peft(self, path: str | Path) -> int:
+        """Create an adapter from a PEFT folder; returns its slot."""
+        return import_peft(self.bank, path).slot
+
+
+def _as_2d(t: torch.Tensor, k: int) -> torch.Tensor:
+    t = t if t.dim() == 2 else t[:, None]
+    if t.shape[1] < k:
+        t = torch.cat([t, t[:, :1].expand(-1, k - t.shape[1])], dim=1)
+    return t
+
+
+def _match(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cut the packed ``[N, K_max]`` logprobs back to the datum's target shape."""
+    if targets.dim() == 1:
+        return lp[:, 0]
+    return lp[:, : targets.shape[1]]
+
+
+def _request_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The request's summed loss: over the concatenated datums when all are 1-D, else per datum
+    (sums over tokens add up either way)."""
+    if all(x.dim() == 1 for x in lps):
+        inputs = {k: torch.cat([inp[k] for inp in p.inputs]).to(device) for k in p.inputs[0]}
+        return loss_sum(p.req.loss_fn, torch.cat(lps), inputs, p.config)
+    parts = [
+        loss_sum(p.req.loss_fn, x, {k: v.to(device) for k, v in inp.items()}, p.config)
+        for x, inp in zip(lps, p.inputs)
+    ]
+    return torch.stack(parts).sum()

@@ -1,0 +1,70 @@
+"""Per-token logprobs of every family equal transformers' (fp32, random tiny configs)."""
+
+import pytest
+import torch
+
+from ember.core.batch import pack
+from ember.core.loading import load_model
+from ember.engine.worker import Worker
+from tests.conftest import FAMILIES
+from tests.tiny_models import build_hf_model, random_sequences, save_hf_model
+
+
+def hf_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """logprob of seq[t+1] given seq[:t+1], for t < len-1 (transformers, float64 log-softmax)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)
+    return lp[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+def ember_logprobs(worker: Worker, seqs: list[list[int]]) -> list[torch.Tensor]:
+    batch = pack([s[:-1] for s in seqs], [0] * len(seqs), "cpu")
+    targets = batch.gather([torch.tensor(s[1:]) for s in seqs])[:, None]
+    with torch.no_grad():
+        lp = worker.logprobs(batch, targets)[:, 0]
+    return batch.split(lp)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_match_transformers(family, hf_models):
+    hf, path = hf_models[family]
+    worker = Worker.from_pretrained(path, "cpu", torch.float32)
+    seqs = random_sequences(hf.config.vocab_size, [17, 40, 5, 64], seed=1)
+    got = ember_logprobs(worker, seqs)
+    for s, g in zip(seqs, got):
+        ref = hf_logprobs(hf, s)
+        assert ref.std() > 0.1  # the check is meaningful: logprobs are not near-uniform
+        torch.testing.assert_close(g.double(), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_sharded_checkpoint_and_tied_embeddings(family, tmp_path):
+    hf = build_hf_model(family, seed=3, tie_word_embeddings=True)
+    path = save_hf_model(hf, tmp_path / "m", max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    model = load_model(path, "cpu", torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    seqs = random_sequences(hf.config.vocab_size, [23, 9], seed=2)
+    got = ember_logprobs(Worker(model), seqs)
+    for s, g in zip(seqs, got):
+        torch.testing.assert_close(g.double(), hf_logprobs(hf, s), atol=1e-4, rtol=0)
+
+
+def test_bf16_load_is_close(hf_models):
+    hf, path = hf_models["qwen3"]
+    worker = Worker.from_pretrained(path, "cpu", torch.bfloat16)
+    assert worker.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    seqs = random_sequences(hf.config.vocab_size, [30], seed=4)
+    got = ember_logprobs(worker, seqs)[0]
+    ref = hf_logprobs(hf, seqs[0])
+    assert (got.double() - ref).abs().mean() < 0.05
+
+
+def test_unknown_family_is_a_clear_error(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10, "hidden_size": 8,
+                                                      "num_attention_heads": 2, "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match="gpt2"):
+        load_model(tmp_path)

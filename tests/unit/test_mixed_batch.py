@@ -1,0 +1,97 @@
+"""A packed batch mixing adapters gives every sequence and every adapter what it would get alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from ember.core.adapters import LoraConfig
+from ember.engine.worker import Worker
+from ember.types import Datum, ForwardBackwardInput
+from tests.lora_helpers import randomise
+from tests.tiny_models import random_sequences
+
+CONFIGS = [
+    LoraConfig(rank=2, alpha=4.0, seed=1),
+    LoraConfig(rank=4, alpha=32.0, seed=2),
+    LoraConfig(rank=8, alpha=16.0, seed=3, targets=frozenset({"attn"})),
+    LoraConfig(rank=16, alpha=8.0, seed=4, targets=frozenset({"mlp", "unembed"})),
+]
+
+
+def _request(slot, seqs, rng, loss_fn="cross_entropy", forward_only=False):
+    datums = []
+    for s in seqs:
+        n = len(s) - 1
+        inputs = {"target_tokens": np.array(s[1:])}
+        if loss_fn == "cross_entropy":
+            inputs["weights"] = rng.random(n).astype(np.float32)
+        else:
+            inputs["logprobs"] = (-rng.random(n) * 3).astype(np.float32)
+            inputs["advantages"] = rng.standard_normal(n).astype(np.float32)
+        datums.append(Datum(np.array(s[:-1]), inputs))
+    return ForwardBackwardInput(slot, datums, loss_fn, forward_only=forward_only)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_mixed_adapters_equal_alone(family, hf_models):
+    hf, path = hf_models[family]
+    worker = Worker.from_pretrained(path, "cpu", torch.float32)
+    slots = [worker.create_adapter(c) for c in CONFIGS]
+    for i, s in enumerate(slots):
+        randomise(worker.adapter(s), seed=100 + i, scale=0.05)
+    rng = np.random.default_rng(0)
+    vocab = hf.config.vocab_size
+    losses = ["cross_entropy", "ppo", "importance_sampling", "cross_entropy"]
+    requests = [
+        _request(s, random_sequences(vocab, [9 + 3 * i, 20, 5], seed=10 + i), rng, losses[i])
+        for i, s in enumerate(slots)
+    ]
+    requests.append(_request(0, random_sequences(vocab, [14, 6], seed=50), rng, forward_only=True))
+    requests.append(_request(slots[1], random_sequences(vocab, [11], seed=51), rng, forward_only=True))
+
+    alone_out, alone_grads = [], []
+    for req in requests:
+        (out,) = worker.forward_backward([req])
+        alone_out.append(out)
+        if req.slot and not req.forward_only:
+            a = worker.adapter(req.slot)
+            alone_grads.append({k: t.grad.clone() for k, t in a.tensors().items()})
+            a.optimizer.zero_grad()
+
+    mixed = worker.forward_backward(list(reversed(requests)))[::-1]
+    for req, alone, together in zip(requests, alone_out, mixed):
+        for a, b in zip(alone.logprobs, together.logprobs):
+            np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+        assert together.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], abs=1e-4, rel=1e-5)
+    trained = [r for r in requests if r.slot and not r.forward_only]
+    assert len(trained) == len(alone_grads) == 4
+    for req, ref in zip(trained, alone_grads):
+        a = worker.adapter(req.slot)
+        for k, g in ref.items():
+            assert a.tensors()[k].grad is not None, k
+            torch.testing.assert_close(a.tensors()[k].grad, g, atol=1e-5, rtol=1e-5)
+    if family == "qwen3_moe":
+        assert any(".experts." in k for k in alone_grads[0])
+
+
+def test_forward_only_adapter_gets_no_gradient(hf_models):
+    _, path = hf_models["qwen3"]
+    worker = Worker.from_pretrained(path, "cpu", torch.float32)
+    a, b = worker.create_adapter(LoraConfig(rank=4)), worker.create_adapter(LoraConfig(rank=4))
+    rng = np.random.default_rng(1)
+    seqs = random_sequences(320, [10, 12], seed=1)
+    worker.forward_backward([_request(a, seqs, rng), _request(b, seqs, rng, forward_only=True)])
+    assert all(t.grad is not None for t in worker.adapter(a).parameters())
+    assert all(t.grad is None for t in worker.adapter(b).parameters())
+
+
+def test_new_adapter_reproduces_base_model(hf_models):
+    _, path = hf_models["qwen3_moe"]
+    worker = Worker.from_pretrained(path, "cpu", torch.float32)
+    slot = worker.create_adapter(LoraConfig(rank=8, seed=3))
+    rng = np.random.default_rng(2)
+    seqs = random_sequences(320, [15, 8], seed=4)
+    (base,) = worker.forward_backward([_request(0, seqs, rng, forward_only=True)])
+    (lora,) = worker.forward_backward([_request(slot, seqs, rng, forward_only=True)])
+    for x, y in zip(base.logprobs, lora.logprobs):
+        np.testing.assert_array_equal(x, y)

@@ -21,12 +21,18 @@ def default_chunk(vocab: int) -> int:
     return max(128, (CHUNK_ELEMENTS // vocab) // 128 * 128)
 
 
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Softmax precision: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _chunk_logits(h, weight, lora_parts, c0, c1, softcap):
-    logits = (h[c0:c1] @ weight.T).float()
+    acc = _acc_dtype(h)
+    logits = (h[c0:c1] @ weight.T).to(acc)
     for start, end, hA, B in lora_parts:
         s, e = max(start, c0), min(end, c1)
         if s < e:
-            logits[s - c0 : e - c0] += (hA[s - start : e - start] @ B.T).float()
+            logits[s - c0 : e - c0] += (hA[s - start : e - start] @ B.T).to(acc)
     capped = None
     if softcap is not None:
         capped = torch.tanh(logits / softcap)
@@ -39,13 +45,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk, softcap, bounds, *lora_tensors):
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
         T = hidden.shape[0]
-        out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        out = torch.empty(targets.shape, dtype=_acc_dtype(hidden), device=hidden.device)
+        lse = torch.empty(T, dtype=_acc_dtype(hidden), device=hidden.device)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             logits, _ = _chunk_logits(hidden, weight, lora_parts, c0, c1, softcap)
             lse[c0:c1] = torch.logsumexp(logits, dim=-1)
             out[c0:c1] = logits.gather(1, targets[c0:c1]) - lse[c0:c1, None]
+            del logits  # free this chunk before the next is computed
         ctx.save_for_backward(hidden, weight, targets, lse, *lora_tensors)
         ctx.chunk, ctx.softcap, ctx.bounds = chunk, softcap, bounds
         return out
@@ -57,10 +64,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        grad_lora = [torch.zeros_like(t, dtype=torch.float32) for t in lora_tensors]
+        acc = _acc_dtype(hidden)
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
+        grad_lora = [torch.zeros_like(t, dtype=acc) for t in lora_tensors]
         T = hidden.shape[0]
-        grad_out = grad_out.float()
+        grad_out = grad_out.to(acc)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             logits, capped = _chunk_logits(hidden, weight, lora_parts, c0, c1, softcap)
@@ -74,14 +82,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[c0:c1] = d_low @ weight
             if need_w:
-                grad_w += d.T @ hidden[c0:c1].float()
+                grad_w += d.T @ hidden[c0:c1].to(acc)
             for i, (start, end, hA, B) in enumerate(lora_parts):
                 s, e = max(start, c0), min(end, c1)
                 if s >= e:
                     continue
                 ds = d[s - c0 : e - c0]
-                grad_lora[2 * i][s - start : e - start] = (ds.to(B.dtype) @ B).float()
-                grad_lora[2 * i + 1] += ds.T @ hA[s - start : e - start].float()
+                grad_lora[2 * i][s - start : e - start] = (ds.to(B.dtype) @ B).to(acc)
+                grad_lora[2 * i + 1] += ds.T @ hA[s - start : e - start].to(acc)
+            del logits, capped, d, d_low
         grads_lora = [gr.to(t.dtype) for gr, t in zip(grad_lora, lora_tensors)]
         return (
             grad_h,
@@ -103,7 +112,7 @@ def token_logprobs(
     softcap: float | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """``log softmax(hidden @ weight.T)[t, targets[t, k]]`` as fp32 ``[T, K]`` (``targets`` ``[T, K]``
+    """``log softmax(hidden @ weight.T)[t, targets[t, k]]`` as fp32 (fp64 for fp64 input) ``[T, K]`` (``targets`` ``[T, K]``
     or ``[T]``, giving ``[T]``), with the route's LM-head LoRA applied to each adapter's tokens."""
     squeeze = targets.dim() == 1
     if squeeze:

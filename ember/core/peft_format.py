@@ -74,7 +74,7 @@ def adapter_to_peft(adapter: Adapter, layout: str = "peft") -> tuple[dict[str, t
             else:
                 parts = {"w2": B}
             for w_name, b in parts.items():
-                tensors[f"{PREFIX}{experts}.{w_name}.lora_A.weight"] = A.contiguous()
+                tensors[f"{PREFIX}{experts}.{w_name}.lora_A.weight"] = A.clone()
                 tensors[f"{PREFIX}{experts}.{w_name}.lora_B.weight"] = b.contiguous()
             modules.add("experts")
         else:

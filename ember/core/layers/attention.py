@@ -26,6 +26,9 @@ def _varlen_fn():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+_NATIVE_GQA: dict[str, bool] = {}
+
+
 def _sliding_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
     i = torch.arange(n, device=device)
     d = i[:, None] - i[None, :]
@@ -80,12 +83,20 @@ class PackedAttention:
             if window:
                 raise NotImplementedError("this torch's varlen_attn has no sliding window")
             kwargs["is_causal"] = True
+        cu = self.cu_seqlens
         if q.shape[1] != k.shape[1]:
             if "enable_gqa" in params:
                 kwargs["enable_gqa"] = True
-            else:
+            elif _NATIVE_GQA.get("ok", True):
+                # flash attention takes fewer KV heads natively; older wrappers may refuse
+                try:
+                    out = fn(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, **kwargs)
+                    _NATIVE_GQA["ok"] = True
+                    return out
+                except RuntimeError:
+                    _NATIVE_GQA["ok"] = False
+            if "enable_gqa" not in kwargs:
                 rep = q.shape[1] // k.shape[1]
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
-        cu = self.cu_seqlens
         return fn(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, **kwargs)

@@ -1,0 +1,237 @@
+"""LoRA training step on a Qwen3-8B-shaped model: Ember vs HF transformers + PEFT, one run.
+
+Each configuration runs forward_backward (cross_entropy) + optim_step over 8 sequences x 2048
+tokens in ONE pass:
+
+* ember-1     one adapter (bank of 1 slot)
+* ember-8     8 adapters, one sequence each (bank of 32 slots, all 32 filled)
+* ember-32x1  one adapter used, bank of 32 slots all filled (cost of configured slots)
+* hf-peft     transformers + PEFT, same weights and batch (gradient checkpointing: it does not fit
+              in memory without it)
+
+Prints step time, tokens/s, peak and activation memory, MFU (4·N·T + attention FLOPs at 790
+TFLOP/s), and writes a JSON and a profile under --out. Run:
+
+    python bench/train_step.py --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    PEAK_BF16_FLOPS,
+    QWEN3_8B,
+    QWEN3_30B_A3B,
+    TINY,
+    MemoryMeter,
+    hardware_line,
+    median,
+    sync,
+    time_steps,
+    train_flops,
+)
+from ember.core.adapters import LoraConfig  # noqa: E402
+from ember.core.config import config_from_hf  # noqa: E402
+from ember.core.loading import build_empty, init_random  # noqa: E402
+from ember.core.optim import AdamParams  # noqa: E402
+from ember.engine.worker import Worker  # noqa: E402
+from ember.types import Datum, ForwardBackwardInput  # noqa: E402
+
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+HP = AdamParams(learning_rate=1e-4)
+
+
+def ember_model(hf_cfg: dict):
+    model = build_empty(config_from_hf(hf_cfg))
+    model.to_empty(device=DEVICE)
+    for p in model.parameters():
+        p.data = p.data.to(DTYPE)
+    return init_random(model, seed=0, std=0.02)
+
+
+def make_batch(vocab: int, n_seq: int, seq_len: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, seq_len + 1) for _ in range(n_seq)]
+
+
+def requests(slots: list[int], seqs: list[np.ndarray]) -> list[ForwardBackwardInput]:
+    per = {s: [] for s in slots}
+    for i, seq in enumerate(seqs):
+        per[slots[i % len(slots)]].append(
+            Datum(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(len(seq) - 1, np.float32)})
+        )
+    return [ForwardBackwardInput(s, d, "cross_entropy") for s, d in per.items()]
+
+
+def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, rank: int, warmup, iters, profile_dir=None):
+    worker = Worker(model, max_adapters=bank_slots, max_rank=max(64, rank))
+    config = LoraConfig(rank=rank, alpha=32.0, targets=frozenset({"attn", "mlp"}))
+    slots = [worker.create_adapter(LoraConfig(rank=rank, alpha=32.0, targets=config.targets, seed=i)) for i in range(fill)]
+    used = slots[:n_adapters]
+    reqs = requests(used, seqs)
+    losses = []
+
+    def step():
+        outs = worker.forward_backward(reqs)
+        losses.append(sum(o.metrics["loss:sum"] for o in outs))
+        for s in used:
+            worker.optim_step(s, HP)
+
+    gc.collect()
+    meter = MemoryMeter()
+    meter.start()
+    times = time_steps(step, warmup, iters)
+    mem = meter.stop()
+    if profile_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            sync()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        (profile_dir / f"profile_ember_{n_adapters}x{bank_slots}.txt").write_text(table)
+        print(table[:6000])
+    trainable = worker.adapter(used[0]).num_parameters()
+    for s in list(slots):
+        worker.free_adapter(s)
+    del worker
+    return {
+        "step_s": median(times),
+        "times": times,
+        **mem,
+        "first_loss_per_token": losses[0] / sum(len(s) - 1 for s in seqs),
+        "trainable_params_per_adapter": trainable,
+    }
+
+
+def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):
+    import transformers
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model
+
+    cfg = transformers.AutoConfig.for_model(**hf_cfg)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    # share Ember's weights (same names), so both run the same model
+    hf.to_empty(device=DEVICE)
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.data = ours[name].data
+    inv, _ = type(hf.model.rotary_emb).compute_default_rope_parameters(cfg, device=DEVICE)
+    hf.model.rotary_emb.inv_freq = inv
+    hf.model.rotary_emb.original_inv_freq = inv.clone()
+    if checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.enable_input_require_grads()
+    peft_cfg = PeftConfig(
+        r=rank, lora_alpha=32, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    pm = get_peft_model(hf, peft_cfg)
+    pm.train()
+    params = [p for p in pm.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, fused=DEVICE == "cuda")
+    ids = torch.tensor(np.stack([s[:-1] for s in seqs]), device=DEVICE)
+    labels = torch.tensor(np.stack([s[1:] for s in seqs]), device=DEVICE)
+    losses = []
+
+    def step():
+        with torch.autocast(DEVICE, dtype=DTYPE, enabled=DEVICE == "cuda"):
+            logits = pm(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    gc.collect()
+    meter = MemoryMeter()
+    meter.start()
+    times = time_steps(step, warmup, iters)
+    mem = meter.stop()
+    trainable = sum(p.numel() for p in params)
+    del opt, pm, hf, params
+    gc.collect()
+    return {
+        "step_s": median(times),
+        "times": times,
+        **mem,
+        "first_loss_per_token": losses[0],
+        "trainable_params_per_adapter": trainable,
+        "gradient_checkpointing": checkpointing,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--only", default="ember-1,ember-8,ember-32x1,hf-peft", help="comma list of configurations")
+    ap.add_argument("--profile", action="store_true", help="write a torch.profiler table of one Ember step")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = SHAPES[args.shape]
+    torch.manual_seed(0)
+    print(f"hardware: {hardware_line()}; torch {torch.__version__}")
+    model = ember_model(hf_cfg)
+    seqs = make_batch(hf_cfg["vocab_size"], args.seqs, args.seq_len)
+    tokens = args.seqs * args.seq_len
+    flops = train_flops(hf_cfg, [args.seq_len] * args.seqs)
+    print(f"shape {args.shape}: {tokens} tokens/step, {flops / 1e12:.1f} TFLOP/step model FLOPs")
+    results = {}
+    plan = {
+        "ember-1": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
+                                     args.out if args.profile else None),
+        "ember-8": lambda: run_ember(model, hf_cfg, seqs, 8, 32, 32, args.rank, args.warmup, args.iters),
+        "ember-32x1": lambda: run_ember(model, hf_cfg, seqs, 1, 32, 32, args.rank, args.warmup, args.iters),
+        "hf-peft": lambda: run_hf(model, hf_cfg, seqs, args.rank, args.warmup, args.iters),
+    }
+    for name in args.only.split(","):
+        try:
+            r = plan[name]()
+        except Exception as e:  # report and go on: one failing configuration must not hide the others
+            traceback.print_exc()
+            r = {"error": f"{type(e).__name__}: {e}"}
+        if "step_s" in r:
+            r["tokens_per_s"] = tokens / r["step_s"]
+            r["mfu"] = flops / r["step_s"] / PEAK_BF16_FLOPS
+            print(f"{name:12s} step {r['step_s']:.3f}s  {r['tokens_per_s']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%  "
+                  f"peak {r['peak_gib']:.1f} GiB  activations {r['activation_gib']:.1f} GiB  "
+                  f"loss/token {r['first_loss_per_token']:.4f}", flush=True)
+        results[name] = r
+    out = {"hardware": hardware_line(), "torch": torch.__version__, "shape": args.shape, "tokens": tokens,
+           "model_tflop": flops / 1e12, "results": results}
+    (args.out / f"train_step_{args.shape}.json").write_text(json.dumps(out, indent=2))
+    print("\n| config | step (s) | tokens/s | MFU | peak GiB | activations GiB |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if "step_s" in r:
+            print(f"| {name} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
+                  f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} |")
+        else:
+            print(f"| {name} | error: {r['error'][:80]} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -60,6 +60,15 @@ TINY = {
     "tie_word_embeddings": False,
 }
 
+TINY_MOE = {
+    **TINY,
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+}
+
 PEAK_BF16_FLOPS = 790e12  # measured 8192^3 bf16 matmul rate of this H200 (shared/perf_targets.md)
 COPY_BANDWIDTH = 4.3e12  # measured device-to-device copy bandwidth, bytes/s
 

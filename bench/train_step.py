@@ -34,6 +34,7 @@ from bench.common import (  # noqa: E402
     QWEN3_8B,
     QWEN3_30B_A3B,
     TINY,
+    TINY_MOE,
     MemoryMeter,
     hardware_line,
     median,
@@ -48,7 +49,7 @@ from ember.core.optim import AdamParams  # noqa: E402
 from ember.engine.worker import Worker  # noqa: E402
 from ember.types import Datum, ForwardBackwardInput  # noqa: E402
 
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "tiny-moe": TINY_MOE}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 HP = AdamParams(learning_rate=1e-4)

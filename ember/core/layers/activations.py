@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ember.core.kernels import fused
+
 
 class _SiluMul(torch.autograd.Function):
     @staticmethod
@@ -26,4 +28,6 @@ class _SiluMul(torch.autograd.Function):
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up``."""
+    if fused.use_triton(gate, up):
+        return fused.SiluMulFn.apply(gate, up)
     return _SiluMul.apply(gate, up)

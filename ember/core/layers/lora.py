@@ -56,6 +56,39 @@ class TokenGroup:
         return self.end - self.start
 
 
+class _LoraLinearFn(torch.autograd.Function):
+    """``x @ W.T + b + scale * (x @ A.T) @ B.T`` with the correction added inside the product's
+    epilogue (``addmm``) in forward and backward, instead of as separate passes over ``[T, out]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, A, B, scale: float):
+        y = F.linear(x, weight, bias)
+        h = F.linear(x, A)
+        y.addmm_(h, B.t(), alpha=scale)
+        ctx.save_for_backward(x, weight, A, B, h)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, A, B, h = ctx.saved_tensors
+        need_x, need_w, need_b, need_a, need_bb = ctx.needs_input_grad[:5]
+        gh = (gy @ B) * ctx.scale
+        gx = gw = gbias = gA = gB = None
+        if need_x:
+            gx = gy @ weight
+            gx.addmm_(gh, A)
+        if need_w:
+            gw = gy.t() @ x
+        if need_b:
+            gbias = gy.sum(0)
+        if need_a:
+            gA = gh.t() @ x
+        if need_bb:
+            gB = (gy.t() @ h) * ctx.scale
+        return gx, gw, gbias, gA, gB, None
+
+
 def _pad_rank(w: LoraWeights, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     A, B = w.A.to(dtype), w.B.to(dtype)
     extra = rank - w.rank
@@ -109,6 +142,18 @@ class LoraRoute:
 
     def _active(self, name: str) -> list[LoraWeights | None]:
         return [g.adapter.weights.get(name) if g.adapter is not None else None for g in self.groups]
+
+    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` plus module ``name``'s LoRA corrections."""
+        if len(self.groups) == 1:
+            adapter = self.groups[0].adapter
+            w = adapter.weights.get(name) if adapter is not None else None
+            if w is None:
+                return F.linear(x, weight, bias)
+            return _LoraLinearFn.apply(x, weight, bias, w.A.to(x.dtype), w.B.to(x.dtype), adapter.scale)
+        y = F.linear(x, weight, bias)
+        d = self.delta(name, x)
+        return y if d is None else y + d
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
         """The low-rank correction of module ``name`` for every token of ``x`` ``[T, in]``, or
@@ -195,9 +240,6 @@ class LoraLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, lora: LoraRoute | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if lora is not None:
-            d = lora.delta(self.lora_name, x)
-            if d is not None:
-                y = y + d
-        return y
+        if lora is None:
+            return F.linear(x, self.weight, self.bias)
+        return lora.linear(self.lora_name, x, self.weight, self.bias)

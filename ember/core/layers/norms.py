@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.core.kernels import fused
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
@@ -44,6 +46,8 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     """RMS-normalise the last dimension of ``x`` and scale by ``weight`` (or ``1 + weight``)."""
+    if fused.use_triton(x, weight):
+        return fused.RMSNormFn.apply(x, weight, eps, zero_centred)
     return _RMSNorm.apply(x, weight, eps, zero_centred)
 
 

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ember.core.config import RopeConfig
+from ember.core.kernels import fused
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -58,6 +59,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, head_dim]``; only the first ``cos.shape[-1]`` channels rotate."""
+    if fused.use_triton(x, cos):
+        return fused.RopeFn.apply(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]
     rd = cos.shape[-1]
     if rd == x.shape[-1]:

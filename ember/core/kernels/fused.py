@@ -1,0 +1,211 @@
+"""Fused elementwise kernels (Triton) for RMSNorm, SwiGLU's ``silu(g) * u`` and rotary embeddings.
+
+Each is one pass over memory in forward and one in backward, where the plain PyTorch versions
+launch several kernels and round-trip through fp32 copies. They compute in fp32 and round once.
+``ember.core.layers`` calls them for CUDA tensors when Triton is available and falls back to the
+PyTorch formulas otherwise (CPU, tests). ``TRITON_INTERPRET=1`` runs them on the CPU, which is how
+CI checks them against the PyTorch versions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - CPU installs without triton
+    HAVE_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on these tensors."""
+    if not HAVE_TRITON:
+        return False
+    return all(t.is_cuda for t in tensors) or INTERPRET
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        xhat = x * rstd
+        if ZERO_CENTRED:
+            y = xhat * (1.0 + w)
+        else:
+            # reference order: round the normalised value to the input dtype, then scale
+            y = xhat.to(Y.dtype.element_ty).to(tl.float32) * w
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + row, rstd)
+
+    @triton.jit
+    def _rmsnorm_bwd(X, W, DY, DX, RSTD, stride_x, stride_dy, stride_dx, n_cols,
+                     ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTRED:
+            w = w + 1.0
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        xhat = x * rstd
+        dxhat = dy * w
+        dx = rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / n_cols))
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_fwd(G, U, Y, stride_g, stride_u, stride_y, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        y = g * tl.sigmoid(g) * u
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_bwd(G, U, DY, DG, DU, stride_g, stride_u, stride_dy, stride_dg, stride_du, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        silu = g * s
+        dg = dy * u * (s * (1.0 + g * (1.0 - s)))
+        du = dy * silu
+        tl.store(DG + row * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + row * stride_du + cols, du.to(DU.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope(X, COS, SIN, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_c, n_heads, rot_half, head_dim,
+              SIGN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        i = tl.arange(0, BLOCK)
+        m_rot = i < rot_half
+        x_base = X + t * stride_xt + h * stride_xh
+        y_base = Y + t * stride_yt + h * stride_yh
+        x1 = tl.load(x_base + i, mask=m_rot, other=0.0).to(tl.float32)
+        x2 = tl.load(x_base + rot_half + i, mask=m_rot, other=0.0).to(tl.float32)
+        c = tl.load(COS + t * stride_c + i, mask=m_rot, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * stride_c + i, mask=m_rot, other=0.0).to(tl.float32) * SIGN
+        tl.store(y_base + i, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=m_rot)
+        tl.store(y_base + rot_half + i, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=m_rot)
+        # channels past the rotary dimensions pass through
+        rest = 2 * rot_half + tl.arange(0, BLOCK_D)
+        m_rest = rest < head_dim
+        v = tl.load(x_base + rest, mask=m_rest, other=0.0)
+        tl.store(y_base + rest, v, mask=m_rest)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+class RMSNormFn(torch.autograd.Function):
+    """Fused RMSNorm (see ``ember.core.layers.norms`` for the reference formula)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, zero_centred: bool):
+        x2 = _rows(x)
+        n_rows, n_cols = x2.shape
+        y = torch.empty_like(x2, dtype=torch.promote_types(x.dtype, weight.dtype) if not zero_centred else x.dtype)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(n_cols)
+        _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
+                                ZERO_CENTRED=zero_centred, BLOCK=block, num_warps=min(8, max(1, block // 256)))
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.zero_centred = zero_centred
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = _rows(dy)
+        dx = torch.empty_like(x2)
+        block = triton.next_power_of_2(n_cols)
+        _rmsnorm_bwd[(n_rows,)](x2, weight, dy2, dx, rstd, x2.stride(0), dy2.stride(0), dx.stride(0), n_cols,
+                                ZERO_CENTRED=ctx.zero_centred, BLOCK=block, num_warps=min(8, max(1, block // 256)))
+        dw = None
+        if ctx.needs_input_grad[1]:  # only full fine-tuning trains norm weights: plain torch is enough
+            xhat = x2.float() * rstd[:, None]
+            n = xhat if ctx.zero_centred else xhat.to(x2.dtype).float()
+            dw = (dy2.float() * n).sum(0).to(weight.dtype)
+        return dx.view(ctx.shape), dw, None, None
+
+
+class SiluMulFn(torch.autograd.Function):
+    """Fused ``silu(gate) * up`` over the last dimension (inputs may be strided views)."""
+
+    BLOCK = 1024
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        g2, u2 = _rows(gate), _rows(up)
+        n_rows, n_cols = g2.shape
+        y = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
+        grid = (n_rows, triton.cdiv(n_cols, SiluMulFn.BLOCK))
+        _silu_mul_fwd[grid](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n_cols, BLOCK=SiluMulFn.BLOCK)
+        ctx.save_for_backward(g2, u2)
+        ctx.shape = gate.shape
+        return y.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g2, u2 = ctx.saved_tensors
+        n_rows, n_cols = g2.shape
+        dy2 = _rows(dy)
+        dg = torch.empty((n_rows, n_cols), dtype=g2.dtype, device=g2.device)
+        du = torch.empty_like(dg)
+        grid = (n_rows, triton.cdiv(n_cols, SiluMulFn.BLOCK))
+        _silu_mul_bwd[grid](g2, u2, dy2, dg, du, g2.stride(0), u2.stride(0), dy2.stride(0), dg.stride(0),
+                            du.stride(0), n_cols, BLOCK=SiluMulFn.BLOCK)
+        return dg.view(ctx.shape), du.view(ctx.shape)
+
+
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    T, H, D = x.shape
+    rot_half = cos.shape[-1] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block = triton.next_power_of_2(max(rot_half, 1))
+    _rope[(T, H)](x, cos, sin, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), H,
+                  rot_half, D, SIGN=sign, BLOCK=block, BLOCK_D=triton.next_power_of_2(D))
+    return y
+
+
+class RopeFn(torch.autograd.Function):
+    """Fused rotary embedding (``rotate_half`` convention); backward rotates by the opposite angle."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(dy, cos, sin, -1.0), None, None

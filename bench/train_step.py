@@ -6,6 +6,7 @@ tokens in ONE pass:
 * ember-1     one adapter (bank of 1 slot)
 * ember-8     8 adapters, one sequence each (bank of 32 slots, all 32 filled)
 * ember-32x1  one adapter used, bank of 32 slots all filled (cost of configured slots)
+* ember-1u    one adapter that also adapts the LM head (Tinker's default ``train_unembed``)
 * hf-peft     transformers + PEFT, same weights and batch (gradient checkpointing: it does not fit
               in memory without it)
 
@@ -77,9 +78,10 @@ def requests(slots: list[int], seqs: list[np.ndarray]) -> list[ForwardBackwardIn
     return [ForwardBackwardInput(s, d, "cross_entropy") for s, d in per.items()]
 
 
-def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, rank: int, warmup, iters, profile_dir=None):
+def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, rank: int, warmup, iters,
+              profile_dir=None, targets=("attn", "mlp")):
     worker = Worker(model, max_adapters=bank_slots, max_rank=max(64, rank))
-    config = LoraConfig(rank=rank, alpha=32.0, targets=frozenset({"attn", "mlp"}))
+    config = LoraConfig(rank=rank, alpha=32.0, targets=frozenset(targets))
     slots = [worker.create_adapter(LoraConfig(rank=rank, alpha=32.0, targets=config.targets, seed=i)) for i in range(fill)]
     used = slots[:n_adapters]
     reqs = requests(used, seqs)
@@ -206,6 +208,8 @@ def main() -> None:
                                      args.out if args.profile else None),
         "ember-8": lambda: run_ember(model, hf_cfg, seqs, 8, 32, 32, args.rank, args.warmup, args.iters),
         "ember-32x1": lambda: run_ember(model, hf_cfg, seqs, 1, 32, 32, args.rank, args.warmup, args.iters),
+        "ember-1u": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
+                                      targets=("attn", "mlp", "unembed")),
         "hf-peft": lambda: run_hf(model, hf_cfg, seqs, args.rank, args.warmup, args.iters),
     }
     for name in args.only.split(","):

@@ -1,15 +1,26 @@
 """Per-token log-probabilities of target tokens, computed over token chunks.
 
-The LM head and log-softmax run ``chunk`` tokens at a time, in forward and again (recomputed) in
-backward, so the full ``[T, V]`` fp32 logits never exist: peak memory is set by the chunk, not the
-batch. LoRA on the LM head (``train_unembed``) is folded in per adapter group, and an optional final
-logit softcap (``c * tanh(z / c)``) is applied before the softmax.
+The LM head and log-softmax run ``chunk`` tokens at a time, so the full ``[T, V]`` fp32 logits never
+exist: peak memory is set by the chunk, not the batch. LoRA on the LM head (``train_unembed``) is
+folded in per adapter group, and an optional final logit softcap (``c * tanh(z / c)``) is applied
+before the softmax.
+
+Gradients. With ``p`` the softmax, ``f = 1 - tanh²`` the softcap's derivative (1 without a cap) and
+``g[t, k]`` the upstream gradient of ``logprob(targets[t, k])``::
+
+    d logits[t] = (Σ_k g[t,k] onehot(targets[t,k]) - G[t] p[t]) ⊙ f[t],   G[t] = Σ_k g[t,k]
+    d hidden[t] = Σ_k g[t,k] f[t,targets[t,k]] W[targets[t,k]] - G[t] (p ⊙ f)[t] @ W
+
+When only ``hidden`` needs a gradient (frozen head, no head LoRA: the common LoRA case), the forward
+pass stores ``(p ⊙ f) @ W`` (``[T, H]``) and the backward needs no vocabulary-sized work at all: one
+head product fewer than recomputing the logits. Otherwise the backward recomputes each chunk.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ember.core.kernels import fused
 from ember.core.layers.lora import LoraRoute
 
 # fp32 logits of one chunk are chunk * V * 4 bytes; 2^28 elements = 1 GiB.
@@ -26,18 +37,60 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _chunk_logits(h, weight, lora_parts, c0, c1, softcap):
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with the result in ``acc`` precision (fp32 output straight from the bf16 product on
+    CUDA, so logits are not rounded to bf16 first)."""
+    if a.dtype == acc:
+        return a @ b
+    if a.is_cuda and _MM_OUT_DTYPE.get("ok", True):
+        try:
+            out = torch.mm(a, b, out_dtype=acc)
+            _MM_OUT_DTYPE["ok"] = True
+            return out
+        except (RuntimeError, TypeError):
+            _MM_OUT_DTYPE["ok"] = False
+    return (a @ b).to(acc)
+
+
+def _chunk_logits(h, weight, lora_parts, c0, c1):
+    """Raw (uncapped) logits of tokens ``[c0, c1)`` in accumulation precision."""
     acc = _acc_dtype(h)
-    logits = (h[c0:c1] @ weight.T).to(acc)
+    logits = _mm_acc(h[c0:c1], weight.T, acc)
     for start, end, hA, B in lora_parts:
         s, e = max(start, c0), min(end, c1)
         if s < e:
-            logits[s - c0 : e - c0] += (hA[s - start : e - start] @ B.T).to(acc)
-    capped = None
-    if softcap is not None:
-        capped = torch.tanh(logits / softcap)
-        logits = capped * softcap
-    return logits, capped
+            logits[s - c0 : e - c0] += _mm_acc(hA[s - start : e - start], B.T, acc)
+    return logits
+
+
+def _cap(z: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if softcap is None:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return t * softcap, 1.0 - t * t
+
+
+def row_logsumexp(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``logsumexp`` of each row of the (capped) logits."""
+    if fused.use_triton(logits) and logits.dtype == torch.float32:
+        return fused.row_logsumexp(logits, softcap)
+    return torch.logsumexp(_cap(logits, softcap)[0], dim=-1)
+
+
+def scaled_softmax(
+    logits: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor, softcap: float | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``row_scale[:, None] * softmax ⊙ f`` (see module doc) in ``dtype``."""
+    if fused.use_triton(logits) and logits.dtype == torch.float32:
+        return fused.scaled_softmax(logits, lse, row_scale, softcap, dtype)
+    z, f = _cap(logits, softcap)
+    p = torch.exp(z - lse[:, None]) * row_scale[:, None]
+    if f is not None:
+        p = p * f
+    return p.to(dtype)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -45,52 +98,74 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk, softcap, bounds, *lora_tensors):
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
         T = hidden.shape[0]
-        out = torch.empty(targets.shape, dtype=_acc_dtype(hidden), device=hidden.device)
-        lse = torch.empty(T, dtype=_acc_dtype(hidden), device=hidden.device)
+        acc = _acc_dtype(hidden)
+        out = torch.empty(targets.shape, dtype=acc, device=hidden.device)
+        lse = torch.empty(T, dtype=acc, device=hidden.device)
+        # store (p ⊙ f) @ W now when hidden is the only input that needs a gradient
+        precompute = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:])
+        pw = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if precompute else None
+        f_t = torch.ones(targets.shape, dtype=acc, device=hidden.device) if precompute else None
+        ones = torch.ones(T, dtype=acc, device=hidden.device) if precompute else None
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
-            logits, _ = _chunk_logits(hidden, weight, lora_parts, c0, c1, softcap)
-            lse[c0:c1] = torch.logsumexp(logits, dim=-1)
-            out[c0:c1] = logits.gather(1, targets[c0:c1]) - lse[c0:c1, None]
+            logits = _chunk_logits(hidden, weight, lora_parts, c0, c1)
+            lse[c0:c1] = row_logsumexp(logits, softcap)
+            zt, ft = _cap(logits.gather(1, targets[c0:c1]), softcap)
+            out[c0:c1] = zt - lse[c0:c1, None]
+            if precompute:
+                p = scaled_softmax(logits, lse[c0:c1], ones[c0:c1], softcap, hidden.dtype)
+                pw[c0:c1] = _mm_acc(p, weight, acc)
+                if ft is not None:
+                    f_t[c0:c1] = ft
+                del p
             del logits  # free this chunk before the next is computed
-        ctx.save_for_backward(hidden, weight, targets, lse, *lora_tensors)
-        ctx.chunk, ctx.softcap, ctx.bounds = chunk, softcap, bounds
+        ctx.precompute = precompute
+        if precompute:
+            ctx.save_for_backward(weight, targets, pw, f_t)
+        else:
+            ctx.save_for_backward(hidden, weight, targets, lse, *lora_tensors)
+        ctx.chunk, ctx.softcap, ctx.bounds, ctx.hidden_dtype = chunk, softcap, bounds, hidden.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.precompute:
+            weight, targets, pw, f_t = ctx.saved_tensors
+            g = grad_out.to(pw.dtype)
+            rows = weight.index_select(0, targets.reshape(-1)).view(*targets.shape, -1).to(pw.dtype)
+            grad_h = (rows * (g * f_t)[..., None]).sum(1) - g.sum(1, keepdim=True) * pw
+            return (grad_h.to(ctx.hidden_dtype), None, None, None, None, None)
         hidden, weight, targets, lse, *lora_tensors = ctx.saved_tensors
         chunk, softcap, bounds = ctx.chunk, ctx.softcap, ctx.bounds
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(hidden) if need_h else None
         acc = _acc_dtype(hidden)
+        grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
         grad_lora = [torch.zeros_like(t, dtype=acc) for t in lora_tensors]
         T = hidden.shape[0]
         grad_out = grad_out.to(acc)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
-            logits, capped = _chunk_logits(hidden, weight, lora_parts, c0, c1, softcap)
+            logits = _chunk_logits(hidden, weight, lora_parts, c0, c1)
             g = grad_out[c0:c1]
-            # d logprob(t) / d logits = onehot(t) - softmax
-            d = torch.exp(logits - lse[c0:c1, None]).mul_(-g.sum(-1, keepdim=True))
-            d.scatter_add_(1, targets[c0:c1], g)
-            if capped is not None:
-                d.mul_(1.0 - capped.square())
-            d_low = d.to(hidden.dtype)
+            tgt = targets[c0:c1]
+            ft = _cap(logits.gather(1, tgt), softcap)[1]
+            d = scaled_softmax(logits, lse[c0:c1], -g.sum(-1), softcap, hidden.dtype)
+            del logits
+            d.scatter_add_(1, tgt, (g if ft is None else g * ft).to(d.dtype))
             if need_h:
-                grad_h[c0:c1] = d_low @ weight
+                grad_h[c0:c1] = d @ weight
             if need_w:
-                grad_w += d.T @ hidden[c0:c1].to(acc)
+                grad_w += _mm_acc(d.T, hidden[c0:c1], acc)
             for i, (start, end, hA, B) in enumerate(lora_parts):
                 s, e = max(start, c0), min(end, c1)
                 if s >= e:
                     continue
                 ds = d[s - c0 : e - c0]
-                grad_lora[2 * i][s - start : e - start] = (ds.to(B.dtype) @ B).to(acc)
-                grad_lora[2 * i + 1] += ds.T @ hA[s - start : e - start].to(acc)
-            del logits, capped, d, d_low
+                grad_lora[2 * i][s - start : e - start] = _mm_acc(ds.to(B.dtype), B, acc)
+                grad_lora[2 * i + 1] += _mm_acc(ds.T.to(hA.dtype), hA[s - start : e - start], acc)
+            del d
         grads_lora = [gr.to(t.dtype) for gr, t in zip(grad_lora, lora_tensors)]
         return (
             grad_h,
@@ -112,8 +187,9 @@ def token_logprobs(
     softcap: float | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """``log softmax(hidden @ weight.T)[t, targets[t, k]]`` as fp32 (fp64 for fp64 input) ``[T, K]`` (``targets`` ``[T, K]``
-    or ``[T]``, giving ``[T]``), with the route's LM-head LoRA applied to each adapter's tokens."""
+    """``log softmax(hidden @ weight.T)[t, targets[t, k]]`` as fp32 (fp64 for fp64 input) ``[T, K]``
+    (``targets`` ``[T, K]`` or ``[T]``, giving ``[T]``), with the route's LM-head LoRA applied to each
+    adapter's tokens."""
     squeeze = targets.dim() == 1
     if squeeze:
         targets = targets[:, None]

@@ -68,6 +68,18 @@ SCRIPT = textwrap.dedent(
         (yr * g).sum().backward()
         check(f"rope {rot} y", y, yr, 1e-5)
         check(f"rope {rot} grad", got, x.grad, 1e-5)
+    from ember.core import logprobs
+    for cap in (None, 7.0):
+        z = torch.randn(9, 5000) * 4
+        lse = fused.row_logsumexp(z, cap)
+        zc = z if cap is None else cap * torch.tanh(z / cap)
+        check(f"row_logsumexp cap={cap}", lse, torch.logsumexp(zc, -1), 1e-4)
+        sc = torch.randn(9)
+        got = fused.scaled_softmax(z, lse, sc, cap, torch.float32)
+        ref = torch.exp(zc - lse[:, None]) * sc[:, None]
+        if cap is not None:
+            ref = ref * (1 - torch.tanh(z / cap) ** 2)
+        check(f"scaled_softmax cap={cap}", got, ref, 1e-5)
     print("OK")
     """
 )

@@ -94,24 +94,86 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope(X, COS, SIN, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_c, n_heads, rot_half, head_dim,
-              SIGN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+              SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per token: all heads at once
         t = tl.program_id(0)
-        h = tl.program_id(1)
-        i = tl.arange(0, BLOCK)
-        m_rot = i < rot_half
-        x_base = X + t * stride_xt + h * stride_xh
-        y_base = Y + t * stride_yt + h * stride_yh
+        hh = tl.arange(0, BLOCK_H)[:, None]
+        i = tl.arange(0, BLOCK)[None, :]
+        m_rot = (hh < n_heads) & (i < rot_half)
+        x_base = X + t * stride_xt + hh * stride_xh
+        y_base = Y + t * stride_yt + hh * stride_yh
         x1 = tl.load(x_base + i, mask=m_rot, other=0.0).to(tl.float32)
         x2 = tl.load(x_base + rot_half + i, mask=m_rot, other=0.0).to(tl.float32)
-        c = tl.load(COS + t * stride_c + i, mask=m_rot, other=0.0).to(tl.float32)
-        s = tl.load(SIN + t * stride_c + i, mask=m_rot, other=0.0).to(tl.float32) * SIGN
+        c = tl.load(COS + t * stride_c + i, mask=i < rot_half, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * stride_c + i, mask=i < rot_half, other=0.0).to(tl.float32) * SIGN
         tl.store(y_base + i, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=m_rot)
         tl.store(y_base + rot_half + i, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=m_rot)
         # channels past the rotary dimensions pass through
-        rest = 2 * rot_half + tl.arange(0, BLOCK_D)
-        m_rest = rest < head_dim
+        rest = 2 * rot_half + tl.arange(0, BLOCK_D)[None, :]
+        m_rest = (hh < n_heads) & (rest < head_dim)
         v = tl.load(x_base + rest, mask=m_rest, other=0.0)
         tl.store(y_base + rest, v, mask=m_rest)
+
+    @triton.jit
+    def _tanh(x):
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+    @triton.jit
+    def _row_lse(L, LSE, stride, N: tl.constexpr, CAP, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = L + row.to(tl.int64) * stride
+        m = tl.full((BLOCK,), -1e30, tl.float32)
+        s = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            z = tl.load(base + cols, mask=mask, other=-1e30).to(tl.float32)
+            if HAS_CAP:
+                z = CAP * _tanh(z / CAP)
+            new_m = tl.maximum(m, z)
+            s = s * tl.exp(m - new_m) + tl.where(mask, tl.exp(z - new_m), 0.0)
+            m = new_m
+        top = tl.max(m, axis=0)
+        total = tl.sum(s * tl.exp(m - top), axis=0)
+        tl.store(LSE + row, top + tl.log(total))
+
+    @triton.jit
+    def _scaled_softmax(L, LSE, SCALE, OUT, stride_l, stride_o, N: tl.constexpr, CAP, HAS_CAP: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        lse = tl.load(LSE + row)
+        sc = tl.load(SCALE + row)
+        base_l = L + row.to(tl.int64) * stride_l
+        base_o = OUT + row.to(tl.int64) * stride_o
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            z = tl.load(base_l + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_CAP:
+                t = _tanh(z / CAP)
+                p = tl.exp(CAP * t - lse) * sc * (1.0 - t * t)
+            else:
+                p = tl.exp(z - lse) * sc
+            tl.store(base_o + cols, p.to(OUT.dtype.element_ty), mask=mask)
+
+
+def row_logsumexp(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``logsumexp`` of each row of ``softcap(logits)`` (fp32 ``[C, V]``), one pass."""
+    C, V = logits.shape
+    lse = torch.empty(C, dtype=torch.float32, device=logits.device)
+    _row_lse[(C,)](logits, lse, logits.stride(0), V, float(softcap or 1.0), HAS_CAP=softcap is not None,
+                   BLOCK=4096, num_warps=8)
+    return lse
+
+
+def scaled_softmax(logits, lse, row_scale, softcap, dtype) -> torch.Tensor:
+    """``row_scale * exp(z - lse) * (1 - tanh²)`` with ``z = softcap(logits)``, written in ``dtype``."""
+    C, V = logits.shape
+    out = torch.empty((C, V), dtype=dtype, device=logits.device)
+    _scaled_softmax[(C,)](logits, lse.contiguous(), row_scale.float().contiguous(), out, logits.stride(0),
+                          out.stride(0), V, float(softcap or 1.0), HAS_CAP=softcap is not None, BLOCK=4096,
+                          num_warps=8)
+    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -192,8 +254,9 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: fl
     y = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     block = triton.next_power_of_2(max(rot_half, 1))
-    _rope[(T, H)](x, cos, sin, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), H,
-                  rot_half, D, SIGN=sign, BLOCK=block, BLOCK_D=triton.next_power_of_2(D))
+    _rope[(T,)](x, cos, sin, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), H,
+                rot_half, D, SIGN=sign, BLOCK_H=triton.next_power_of_2(H), BLOCK=block,
+                BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return y
 
 

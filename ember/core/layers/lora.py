@@ -2,10 +2,10 @@
 
 A packed batch holds the tokens of several adapters (and of the bare base model) in contiguous
 groups, ordered by adapter. Each adaptable linear computes its frozen base product over all tokens
-at once, then asks the batch's :class:`LoraRoute` for the low-rank correction of its own tokens:
-one plain product pair when a single adapter owns the batch, otherwise grouped products
-(``torch._grouped_mm`` on Hopper) over the adapters' stacked ``A``/``B`` factors. Only the adapters
-present in the batch are touched, so configuring more adapter slots costs nothing per step.
+at once and adds each adapter's low-rank correction to that adapter's rows inside the product
+epilogue (``addmm_``). MoE experts run grouped products (``torch._grouped_mm`` on Hopper) over
+(expert, adapter) groups. Only the adapters present in the batch are touched, so configuring more
+adapter slots costs nothing per step.
 
 Factor layout follows PEFT: ``A`` is ``[r, in]`` and ``B`` is ``[out, r]`` (``[E, r, in]`` /
 ``[E, out, r]`` for MoE experts); the correction is ``scale * x @ A.T @ B.T`` with
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
+from ember.core.kernels.grouped import grouped_linear
 
 
 @dataclass
@@ -57,36 +57,43 @@ class TokenGroup:
 
 
 class _LoraLinearFn(torch.autograd.Function):
-    """``x @ W.T + b + scale * (x @ A.T) @ B.T`` with the correction added inside the product's
-    epilogue (``addmm``) in forward and backward, instead of as separate passes over ``[T, out]``."""
+    """``x @ W.T + b`` plus, for each token span ``[s, e)`` of an adapter, ``scale * (x @ A.T) @ B.T``.
+
+    The corrections are added inside the products' epilogues (``addmm_`` on the span's rows) in
+    forward and backward, instead of as separate passes over ``[T, out]``; only the small ``x @ A.T``
+    is kept for backward besides ``x``.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, A, B, scale: float):
+    def forward(ctx, x, weight, bias, spans, *factors):
         y = F.linear(x, weight, bias)
-        h = F.linear(x, A)
-        y.addmm_(h, B.t(), alpha=scale)
-        ctx.save_for_backward(x, weight, A, B, h)
-        ctx.scale = scale
+        hs = []
+        for i, (s, e, scale) in enumerate(spans):
+            h = F.linear(x[s:e], factors[2 * i])
+            y[s:e].addmm_(h, factors[2 * i + 1].t(), alpha=scale)
+            hs.append(h)
+        ctx.save_for_backward(x, weight, *factors, *hs)
+        ctx.spans = spans
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight, A, B, h = ctx.saved_tensors
-        need_x, need_w, need_b, need_a, need_bb = ctx.needs_input_grad[:5]
-        gh = (gy @ B) * ctx.scale
-        gx = gw = gbias = gA = gB = None
-        if need_x:
-            gx = gy @ weight
-            gx.addmm_(gh, A)
-        if need_w:
-            gw = gy.t() @ x
-        if need_b:
-            gbias = gy.sum(0)
-        if need_a:
-            gA = gh.t() @ x
-        if need_bb:
-            gB = (gy.t() @ h) * ctx.scale
-        return gx, gw, gbias, gA, gB, None
+        x, weight, *rest = ctx.saved_tensors
+        spans = ctx.spans
+        factors, hs = rest[: 2 * len(spans)], rest[2 * len(spans) :]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gx = gy @ weight if need_x else None
+        gw = gy.t() @ x if need_w else None
+        gbias = gy.sum(0) if need_b else None
+        gfactors = []
+        for i, (s, e, scale) in enumerate(spans):
+            A, B, h = factors[2 * i], factors[2 * i + 1], hs[i]
+            gys = gy[s:e]
+            gh = (gys @ B) * scale
+            if need_x:
+                gx[s:e].addmm_(gh, A)
+            gfactors += [gh.t() @ x[s:e], (gys.t() @ h) * scale]
+        return (gx, gw, gbias, None, *gfactors)
 
 
 def _pad_rank(w: LoraWeights, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,11 +126,6 @@ class LoraRoute:
         """Whether any token uses an adapter."""
         return any(g.adapter is not None for g in self.groups)
 
-    def _offsets(self) -> torch.Tensor:
-        if "offsets" not in self._cache:
-            self._cache["offsets"] = offsets_from_sizes([g.size for g in self.groups], self.device)
-        return self._cache["offsets"]
-
     def token_group(self) -> torch.Tensor:
         """Group index of every token, ``[T]`` (long)."""
         if "token_group" not in self._cache:
@@ -144,42 +146,17 @@ class LoraRoute:
         return [g.adapter.weights.get(name) if g.adapter is not None else None for g in self.groups]
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` plus module ``name``'s LoRA corrections."""
-        if len(self.groups) == 1:
-            adapter = self.groups[0].adapter
-            w = adapter.weights.get(name) if adapter is not None else None
-            if w is None:
-                return F.linear(x, weight, bias)
-            return _LoraLinearFn.apply(x, weight, bias, w.A.to(x.dtype), w.B.to(x.dtype), adapter.scale)
-        y = F.linear(x, weight, bias)
-        d = self.delta(name, x)
-        return y if d is None else y + d
-
-    def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
-        """The low-rank correction of module ``name`` for every token of ``x`` ``[T, in]``, or
-        ``None`` when no adapter in the batch targets it."""
-        active = self._active(name)
-        present = [w for w in active if w is not None]
-        if not present:
-            return None
-        if len(self.groups) == 1:
-            w, scale = present[0], self.groups[0].adapter.scale
-            return F.linear(F.linear(x, w.A.to(x.dtype)) * scale, w.B.to(x.dtype))
-        rank = max(w.rank for w in present)
-        As, Bs = [], []
-        for w in active:
-            if w is None:
-                ref = present[0]
-                As.append(x.new_zeros(rank, ref.A.shape[-1]))
-                Bs.append(x.new_zeros(ref.B.shape[0], rank))
-            else:
-                A, B = _pad_rank(w, rank, x.dtype)
-                As.append(A)
-                Bs.append(B)
-        offsets = self._offsets()
-        h = grouped_linear(x, torch.stack(As), offsets)
-        h = h * self._group_scales(name, x.dtype)[self.token_group()][:, None]
-        return grouped_linear(h, torch.stack(Bs), offsets)
+        """``F.linear(x, weight, bias)`` plus module ``name``'s LoRA correction on each adapter's tokens."""
+        spans, factors = [], []
+        for g in self.groups:
+            w = g.adapter.weights.get(name) if g.adapter is not None else None
+            if w is None or g.size == 0:
+                continue
+            spans.append((g.start, g.end, g.adapter.scale))
+            factors += [w.A.to(x.dtype), w.B.to(x.dtype)]
+        if not spans:
+            return F.linear(x, weight, bias)
+        return _LoraLinearFn.apply(x, weight, bias, tuple(spans), *factors)
 
     def expert_delta(
         self,

@@ -190,6 +190,7 @@ class Worker:
             positions=batch.positions,
             attend=lambda layer, q, k, v, spec, scale: attention(q, k, v, spec, scale),
             lora=self.bank.route(batch.groups),
+            seq_lens=batch.doc_lengths,
         )
         hidden = self.model.hidden_states(batch.input_ids, ctx)
         return token_logprobs(

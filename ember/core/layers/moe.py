@@ -13,6 +13,7 @@ Weights follow the transformers 5 layout: ``gate_up_proj`` ``[E, 2I, H]`` (gate 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from ember.core.config import MoEConfig
 from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
 from ember.core.layers.activations import silu_mul
 from ember.core.layers.lora import LoraRoute
+
+if TYPE_CHECKING:
+    from ember.core.models.base import RoutingRecord
 
 
 @dataclass
@@ -41,10 +45,16 @@ class SoftmaxTopKRouter(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
+        """Route ``x``; with ``replay`` (``[T, k]`` expert ids) keep those experts and take their
+        weights from the live probabilities, so gradients still reach the router (R3)."""
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if replay is not None:
+            idx = replay.to(device=x.device, dtype=torch.long)
+            top = probs.gather(1, idx)
+        else:
+            top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return Routing(experts=idx, weights=top.to(logits.dtype))
@@ -103,10 +113,15 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Router + routed experts (Qwen3-MoE)."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig):
+    def __init__(self, hidden: int, cfg: MoEConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.gate = SoftmaxTopKRouter(hidden, cfg)
         self.experts = Experts(hidden, cfg.intermediate_size, cfg.num_experts)
 
-    def forward(self, x: torch.Tensor, lora: LoraRoute | None) -> torch.Tensor:
-        return self.experts(x, self.gate(x), lora)
+    def forward(self, x: torch.Tensor, lora: LoraRoute | None, routing: RoutingRecord | None = None) -> torch.Tensor:
+        replay = routing.replay.get(self.layer) if routing is not None and routing.replay else None
+        r = self.gate(x, replay)
+        if routing is not None and routing.record is not None:
+            routing.record[self.layer] = r.experts.detach()
+        return self.experts(x, r, lora)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -17,14 +18,49 @@ from ember.core.layers.rope import RotaryEmbedding
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionSpec, float], torch.Tensor]
 
 
+class SequenceState(Protocol):
+    """Per-sequence recurrent state of layers that are not attention (short-convolution windows,
+    linear-attention states), carried between the passes of a decoding sequence.
+
+    Values are stacked over the pass's sequences in packed order (``[N, ...]``). ``get`` returns
+    ``None`` for sequences that start in this pass (state zero)."""
+
+    def get(self, layer: int, name: str) -> torch.Tensor | None: ...
+
+    def put(self, layer: int, name: str, value: torch.Tensor) -> None: ...
+
+
+@dataclass
+class RoutingRecord:
+    """MoE routing of a pass: ``record`` collects the experts each MoE layer chose (``[T, k]``);
+    ``replay`` (layer -> ``[T, k]``) forces those choices (rollout routing replay, R3)."""
+
+    record: dict[int, torch.Tensor] | None = None
+    replay: dict[int, torch.Tensor] | None = None
+
+
 @dataclass
 class ForwardContext:
-    """Everything a layer needs besides its input: token positions, how to attend (packed documents
-    for training, a KV cache for decoding), and the batch's LoRA route."""
+    """Everything a layer needs besides its input.
+
+    * ``positions`` — position of each token within its sequence (``[T]``).
+    * ``attend`` — how attention layers attend: packed documents in training and prefill, a KV cache
+      when decoding. It owns any KV cache.
+    * ``lora`` — the batch's LoRA route (``None``: base model only).
+    * ``seq_lens`` — tokens of each sequence in this pass, in packed order (training: whole
+      documents; decoding: usually one token each). Layers that mix along time (short
+      convolutions, linear attention) must not cross these boundaries.
+    * ``state`` — recurrent state carried between passes of decoding sequences (``None`` in
+      training, where every sequence starts at position 0).
+    * ``routing`` — MoE routing record/replay, or ``None``.
+    """
 
     positions: torch.Tensor
     attend: AttendFn
     lora: LoraRoute | None = None
+    seq_lens: list[int] | None = None
+    state: SequenceState | None = None
+    routing: RoutingRecord | None = None
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,13 +59,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, rotary, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe is not None and layer not in cfg.moe.dense_layers:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, layer)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx.lora)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoE):
+            return x + self.mlp(h, ctx.lora, ctx.routing)
+        return x + self.mlp(h, ctx.lora)
 
 
 class Decoder(nn.Module):

@@ -117,8 +117,7 @@ def _run(worker: Worker, reqs: list[ForwardBackwardInput], together: bool):
     outs = worker.forward_backward(reqs) if together else [worker.forward_backward([r])[0] for r in reqs]
     for r, o in zip(reqs, outs):
         lps.append(o.logprobs)
-        a = worker.adapter(r.slot)
-        grads.append({k: t.grad.clone() for k, t in a.tensors().items()})
+        grads.append({k: g.clone() for k, g in worker.adapter(r.slot).grads().items()})
     for r in reqs:
         worker.adapter(r.slot).optimizer.zero_grad()
     return lps, grads
@@ -160,13 +159,18 @@ def check_lora_linear() -> None:
     A = (torch.randn(32, 1024, device="cuda") * 0.02).requires_grad_()
     B = (torch.randn(2048, 32, device="cuda") * 0.02).requires_grad_()
     g = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
-    y = _LoraLinearFn.apply(x, W, None, A.to(torch.bfloat16), B.to(torch.bfloat16), 2.0)
+    half = 2048  # two adapter spans: rows [0, 2048) and [2048, 4096) with different scales
+    A2, B2 = A * 0.5, B * 2.0
+    y = _LoraLinearFn.apply(x, W, None, ((0, half, 2.0), (half, 4096, 3.0)), A.to(torch.bfloat16),
+                            B.to(torch.bfloat16), A2.to(torch.bfloat16), B2.to(torch.bfloat16))
     (y.float() * g.float()).sum().backward()
     got = (y.detach(), x.grad.clone(), A.grad.clone(), B.grad.clone())
     x.grad = A.grad = B.grad = None
     xf = x.detach().double().requires_grad_()
     Af, Bf = A.detach().double().requires_grad_(), B.detach().double().requires_grad_()
-    yr = xf @ W.double().T + 2.0 * (xf @ Af.T) @ Bf.T
+    yr = xf @ W.double().T
+    yr = torch.cat([yr[:half] + 2.0 * (xf[:half] @ Af.T) @ Bf.T,
+                    yr[half:] + 3.0 * (xf[half:] @ (0.5 * Af).T) @ (2.0 * Bf).T])
     (yr * g.double()).sum().backward()
     for name, a, b in zip(["y", "dx", "dA", "dB"], got, (yr, xf.grad, Af.grad, Bf.grad)):
         report(f"fused lora linear {name}", rel(a, b), 2e-2)

@@ -106,7 +106,7 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
             sync()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
         (profile_dir / f"profile_ember_{n_adapters}x{bank_slots}.txt").write_text(table)
-        print(table[:6000])
+        print(table[:3000])
     trainable = worker.adapter(used[0]).num_parameters()
     for s in list(slots):
         worker.free_adapter(s)
@@ -206,7 +206,8 @@ def main() -> None:
     plan = {
         "ember-1": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
                                      args.out if args.profile else None),
-        "ember-8": lambda: run_ember(model, hf_cfg, seqs, 8, 32, 32, args.rank, args.warmup, args.iters),
+        "ember-8": lambda: run_ember(model, hf_cfg, seqs, 8, 32, 32, args.rank, args.warmup, args.iters,
+                                     args.out if args.profile else None),
         "ember-32x1": lambda: run_ember(model, hf_cfg, seqs, 1, 32, 32, args.rank, args.warmup, args.iters),
         "ember-1u": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
                                       targets=("attn", "mlp", "unembed")),

@@ -10,7 +10,7 @@ new adapter reproduces the base model exactly.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -48,44 +48,99 @@ class LoraConfig:
 
 
 @dataclass
-class Adapter:
-    """One filled slot: the LoRA factors of every targeted module, and their optimizer."""
+class AdapterView:
+    """An adapter's factors as one forward pass uses them (cast to the activation dtype; detached
+    for tokens that must not send gradients to the adapter)."""
 
-    slot: int
-    config: LoraConfig
     weights: dict[str, LoraWeights]
-    optimizer: AdapterOptimizer = field(repr=False)
+    scale: float
+
+
+class Adapter:
+    """One filled slot: all LoRA factors of the adapter in ONE flat fp32 parameter.
+
+    Module factors are views into that vector, so a forward pass casts the adapter once
+    (:meth:`view`), its backward produces one gradient, and its optimizer updates one tensor; the
+    cost per adapter does not grow with the number of adapted modules."""
+
+    def __init__(self, slot: int, config: LoraConfig, layout: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+                 flat: torch.Tensor):
+        self.slot = slot
+        self.config = config
+        self.layout = layout
+        self.flat = flat.requires_grad_()
+        self._sizes = [math.prod(shape) for _, a, b in layout for shape in (a, b)]
+        self.weights = self._views(flat.detach())
+        self.optimizer = AdapterOptimizer([self.flat])
+
+    def _views(self, flat: torch.Tensor) -> dict[str, LoraWeights]:
+        pieces = torch.split(flat, self._sizes)
+        out = {}
+        for i, (name, a, b) in enumerate(self.layout):
+            out[name] = LoraWeights(pieces[2 * i].view(a), pieces[2 * i + 1].view(b))
+        return out
 
     @property
     def scale(self) -> float:
         return self.config.alpha / self.config.rank
 
-    def parameters(self) -> list[torch.Tensor]:
-        """All factors, in a fixed order (A then B of each module)."""
-        return [t for w in self.weights.values() for t in (w.A, w.B)]
+    def view(self, dtype: torch.dtype, trainable: bool = True) -> AdapterView:
+        """The factors for one forward pass, in ``dtype`` (one cast for the whole adapter)."""
+        flat = self.flat if trainable else self.flat.detach()
+        return AdapterView(self._views(flat.to(dtype)), self.scale)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Factors by name: ``{module}.lora_A`` / ``{module}.lora_B``."""
+    def parameters(self) -> list[torch.Tensor]:
+        """The trainable tensors (the flat factor vector)."""
+        return [self.flat]
+
+    def _named(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
-        for name, w in self.weights.items():
+        for name, w in self._views(flat).items():
             out[f"{name}.lora_A"] = w.A
             out[f"{name}.lora_B"] = w.B
         return out
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Factor values by name, ``{module}.lora_A`` / ``{module}.lora_B`` (views: writable)."""
+        return self._named(self.flat.detach())
+
+    def grads(self) -> dict[str, torch.Tensor] | None:
+        """Accumulated gradients by factor name, or ``None`` when none have accumulated."""
+        return None if self.flat.grad is None else self._named(self.flat.grad)
+
     def num_parameters(self) -> int:
-        return sum(t.numel() for t in self.parameters())
+        return self.flat.numel()
 
-    def frozen_view(self) -> FrozenAdapter:
-        """The same factors, detached: for tokens that must not send gradients to this adapter."""
-        return FrozenAdapter({k: LoraWeights(w.A.detach(), w.B.detach()) for k, w in self.weights.items()}, self.scale)
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Adam moments by factor name (``{factor}.exp_avg`` / ``.exp_avg_sq`` / ``.step``)."""
+        st = self.optimizer.opt.state.get(self.flat)
+        if not st:
+            return {}
+        out = {}
+        step = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+        for key in ("exp_avg", "exp_avg_sq"):
+            for name, t in self._named(st[key]).items():
+                out[f"{name}.{key}"] = t
+        for name in self._named(self.flat.detach()):
+            out[f"{name}.step"] = step
+        return out
 
-
-@dataclass
-class FrozenAdapter:
-    """An adapter's factors without gradient tracking (forward-only requests, sampling)."""
-
-    weights: dict[str, LoraWeights]
-    scale: float
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore moments saved by :meth:`optimizer_state` (factors missing there start at zero)."""
+        names = list(self._named(self.flat.detach()))
+        if not any(f"{n}.exp_avg" in state for n in names):
+            self.optimizer.opt.state.clear()
+            return
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            parts = [state.get(f"{n}.{key}") for n in names]
+            flat = torch.zeros_like(self.flat.detach())
+            for dst, src in zip(self._named(flat).values(), parts):
+                if src is not None:
+                    dst.copy_(src.reshape(dst.shape))
+            moments[key] = flat
+        step = next(state[f"{n}.step"] for n in names if f"{n}.step" in state)
+        self.optimizer.load_state({"step": step, **moments})
 
 
 def _factor_shapes(t: LoraTarget, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -104,7 +159,8 @@ class AdapterBank:
         self.max_adapters = max_adapters
         self.max_rank = max_rank
         self.targets = model.lora_targets()
-        self.device = next(model.parameters()).device
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
         self._adapters: dict[int, Adapter] = {}
 
     def validate(self, config: LoraConfig) -> None:
@@ -117,20 +173,18 @@ class AdapterBank:
         if unknown or not config.targets:
             raise ValueError(f"targets must be a non-empty subset of {list(CATEGORIES)}, got {sorted(config.targets)}")
 
-    def _new_weights(self, config: LoraConfig) -> dict[str, LoraWeights]:
+    def _new_flat(self, config: LoraConfig) -> tuple[list, torch.Tensor]:
         gen = torch.Generator().manual_seed(config.seed)
-        weights = {}
+        layout, parts = [], []
         for t in self.targets:
             if t.category not in config.targets:
                 continue
             a_shape, b_shape = _factor_shapes(t, config.rank)
             bound = 1.0 / math.sqrt(t.in_features)
-            A = (torch.rand(a_shape, generator=gen) * 2 - 1) * bound
-            weights[t.name] = LoraWeights(
-                A=A.to(self.device).requires_grad_(),
-                B=torch.zeros(b_shape, device=self.device, requires_grad=True),
-            )
-        return weights
+            parts.append(((torch.rand(a_shape, generator=gen) * 2 - 1) * bound).reshape(-1))
+            parts.append(torch.zeros(math.prod(b_shape)))
+            layout.append((t.name, a_shape, b_shape))
+        return layout, torch.cat(parts).to(self.device)
 
     def free_slots(self) -> list[int]:
         return [s for s in range(1, self.max_adapters + 1) if s not in self._adapters]
@@ -145,8 +199,8 @@ class AdapterBank:
             slot = free[0]
         elif slot in self._adapters or not 1 <= slot <= self.max_adapters:
             raise ValueError(f"slot {slot} is not free")
-        weights = self._new_weights(config)
-        adapter = Adapter(slot, config, weights, AdapterOptimizer([t for w in weights.values() for t in (w.A, w.B)]))
+        layout, flat = self._new_flat(config)
+        adapter = Adapter(slot, config, layout, flat)
         self._adapters[slot] = adapter
         return adapter
 
@@ -173,16 +227,21 @@ class AdapterBank:
     def __len__(self) -> int:
         return len(self._adapters)
 
-    def route(self, groups: list[tuple[object, int, int]]) -> LoraRoute | None:
+    def route(self, groups: list[tuple[object, int, int]], dtype: torch.dtype | None = None) -> LoraRoute | None:
         """The LoRA route of a packed batch whose ``(key, start, end)`` runs are ``groups``; a key is
         a slot, or ``(slot, trainable)`` where ``trainable=False`` detaches the adapter's factors.
-        ``None`` when every token uses the base model."""
+        Factors are cast once per adapter to ``dtype`` (default: the model's). ``None`` when every
+        token uses the base model."""
+        dtype = dtype or self.dtype
+        views: dict[tuple[int, bool], AdapterView] = {}
         token_groups = []
         for key, a, b in groups:
             slot, trainable = key if isinstance(key, tuple) else (key, True)
             adapter = None
             if slot:
-                adapter = self.get(slot) if trainable else self.get(slot).frozen_view()
+                if (slot, trainable) not in views:
+                    views[(slot, trainable)] = self.get(slot).view(dtype, trainable)
+                adapter = views[(slot, trainable)]
             token_groups.append(TokenGroup(adapter, a, b))
         route = LoraRoute(token_groups, self.device)
         return route if route.adapted else None

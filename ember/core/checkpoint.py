@@ -23,7 +23,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ember.core.adapters import Adapter, AdapterBank, LoraConfig
-from ember.core.layers.lora import LoraWeights
 
 FORMAT = "ember-lora"
 VERSION = 1
@@ -63,17 +62,13 @@ def save_adapter(
     overwrite: bool = False,
 ) -> Path:
     """Write ``adapter`` (and optionally its Adam state) to the folder ``path``."""
-    tensors = {k: v.detach().float().cpu().contiguous() for k, v in adapter.tensors().items()}
+    tensors = {k: v.detach().float().cpu().clone() for k, v in adapter.tensors().items()}
     meta = {"format": FORMAT, "version": VERSION, "lora": adapter.config.to_dict(), "has_optimizer": with_optimizer}
     meta.update(metadata or {})
     with atomic_dir(path, overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter.safetensors"))
         if with_optimizer:
-            names = list(adapter.tensors())
-            opt = {}
-            for i, st in adapter.optimizer.state_tensors().items():
-                for key, t in st.items():
-                    opt[f"{names[i]}.{key}"] = t.detach().float().cpu().contiguous()
+            opt = {k: v.detach().float().cpu().clone() for k, v in adapter.optimizer_state().items()}
             save_file(opt, str(tmp / "optimizer.safetensors"))
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     return Path(path)
@@ -120,23 +115,8 @@ def load_adapter(bank: AdapterBank, path: str | Path, with_optimizer: bool, slot
             opt_file = Path(path) / "optimizer.safetensors"
             if not opt_file.is_file():
                 raise ValueError(f"{path} was saved without optimizer state")
-            flat = load_file(str(opt_file))
-            names = list(adapter.tensors())
-            state = {}
-            for i, name in enumerate(names):
-                if f"{name}.exp_avg" in flat:
-                    state[i] = {k: flat[f"{name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")}
-            adapter.optimizer.load_state_tensors(state)
+            adapter.load_optimizer_state(load_file(str(opt_file)))
     except Exception:
         bank.free(adapter.slot)
         raise
     return adapter
-
-
-def weights_from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, LoraWeights]:
-    """Group ``{module}.lora_A/B`` tensors by module."""
-    out = {}
-    for k, v in tensors.items():
-        if k.endswith(".lora_A"):
-            out[k[: -len(".lora_A")]] = LoraWeights(v, tensors[k[: -len(".lora_A")] + ".lora_B"])
-    return out

@@ -71,27 +71,13 @@ class AdapterOptimizer:
         """Drop accumulated gradients without stepping."""
         self.opt.zero_grad(set_to_none=True)
 
-    def state_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Adam state of every parameter that has stepped, by parameter index (moments and step)."""
-        out = {}
-        for i, p in enumerate(self.params):
-            st = self.opt.state.get(p)
-            if st:
-                out[i] = {
-                    "exp_avg": st["exp_avg"],
-                    "exp_avg_sq": st["exp_avg_sq"],
-                    "step": torch.as_tensor(st["step"], dtype=torch.float32).reshape(1),
-                }
-        return out
-
-    def load_state_tensors(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Restore the state saved by :meth:`state_tensors`."""
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the Adam state of the (single, flat) parameter: ``step``, ``exp_avg``, ``exp_avg_sq``."""
+        (p,) = self.params
+        step_device = p.device if self.opt.defaults.get("fused") else "cpu"
         self.opt.state.clear()
-        for i, st in state.items():
-            p = self.params[i]
-            step_device = p.device if self.opt.defaults.get("fused") else "cpu"
-            self.opt.state[p] = {
-                "step": st["step"].reshape(()).to(step_device, torch.float32).clone(),
-                "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
-                "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone(),
-            }
+        self.opt.state[p] = {
+            "step": state["step"].reshape(()).to(step_device, torch.float32).clone(),
+            "exp_avg": state["exp_avg"].to(p.device, p.dtype).clone(),
+            "exp_avg_sq": state["exp_avg_sq"].to(p.device, p.dtype).clone(),
+        }

@@ -55,14 +55,14 @@ def adapter_to_peft(adapter: Adapter, layout: str = "peft") -> tuple[dict[str, t
     modules: set[str] = set()
     params: list[str] = []
     for name, w in adapter.weights.items():
-        A, B = w.A.detach().float().cpu(), w.B.detach().float().cpu()
+        A, B = w.A.detach().float().cpu().clone(), w.B.detach().float().cpu().clone()
         split = _expert_split(name)
         if split is None:
             key = name
             if name == "lm_head" and layout == "tinker":
                 key = _TINKER_UNEMBED
-            tensors[f"{PREFIX}{key}.lora_A.weight"] = A.contiguous()
-            tensors[f"{PREFIX}{key}.lora_B.weight"] = B.contiguous()
+            tensors[f"{PREFIX}{key}.lora_A.weight"] = A
+            tensors[f"{PREFIX}{key}.lora_B.weight"] = B
             modules.add(key.rsplit(".", 1)[-1])
             continue
         experts, param = split

@@ -95,3 +95,44 @@ def test_new_adapter_reproduces_base_model(hf_models):
     (lora,) = worker.forward_backward([_request(slot, seqs, rng, forward_only=True)])
     for x, y in zip(base.logprobs, lora.logprobs):
         np.testing.assert_array_equal(x, y)
+
+
+def test_two_requests_of_one_adapter_accumulate(hf_models):
+    """Chunks of one model's forward_backward may share a pass: gradients add up as if sequential."""
+    _, path = hf_models["qwen3"]
+    worker = Worker.from_pretrained(path, "cpu", torch.float32)
+    slot = worker.create_adapter(LoraConfig(rank=4, seed=2))
+    randomise(worker.adapter(slot), seed=3, scale=0.05)
+    rng = np.random.default_rng(4)
+    r1 = _request(slot, random_sequences(320, [10, 7], seed=5), rng)
+    r2 = _request(slot, random_sequences(320, [12], seed=6), rng, loss_fn="ppo")
+    worker.forward_backward([r1])
+    worker.forward_backward([r2])
+    sequential = {k: g.clone() for k, g in worker.adapter(slot).grads().items()}
+    worker.adapter(slot).optimizer.zero_grad()
+    worker.forward_backward([r2, r1])
+    for k, g in worker.adapter(slot).grads().items():
+        torch.testing.assert_close(g, sequential[k], atol=1e-5, rtol=1e-5)
+
+
+def test_bank_changes_do_not_disturb_a_training_adapter(hf_models):
+    """Creating, resetting and freeing other slots between forward_backward and optim_step leaves an
+    adapter's accumulated gradient and its step untouched."""
+    from ember.core.optim import AdamParams
+
+    _, path = hf_models["qwen3"]
+    results = []
+    for churn in (False, True):
+        worker = Worker.from_pretrained(path, "cpu", torch.float32)
+        slot = worker.create_adapter(LoraConfig(rank=4, seed=1))
+        rng = np.random.default_rng(0)
+        worker.forward_backward([_request(slot, random_sequences(320, [9, 13], seed=2), rng)])
+        if churn:
+            other = worker.create_adapter(LoraConfig(rank=8, seed=5))
+            worker.forward_backward([_request(other, random_sequences(320, [6], seed=3), rng)])
+            worker.reset_adapter(other)
+            worker.free_adapter(other)
+            worker.create_adapter(LoraConfig(rank=2, seed=6))
+        worker.optim_step(slot, AdamParams(learning_rate=1e-2))
+        results.append(worker.adapter(slot).flat.detach().clone())
+    torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)

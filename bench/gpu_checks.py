@@ -82,6 +82,15 @@ def check_grouped() -> None:
         ref.append(x[start : start + n].float() @ w[g].float().T)
         start += n
     report("grouped_linear bf16", rel(y, torch.cat(ref)), 1e-2)
+    from ember.core.kernels.grouped import grouped_wgrad
+
+    gy = torch.randn(3000, 256, device="cuda", dtype=torch.bfloat16)
+    gw = grouped_wgrad(gy, x, offs)
+    ref_w, start = [], 0
+    for n in sizes:
+        ref_w.append(gy[start : start + n].float().T @ x[start : start + n].float())
+        start += n
+    report("grouped_wgrad bf16", rel(gw, torch.stack(ref_w)), 1e-2)
 
 
 MIXED_CFG = {

@@ -47,3 +47,28 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     if not parts:
         return x.new_zeros(0, w.shape[1])
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _wgrad_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
+        return False
+    if (a.shape[1] * a.element_size()) % 16 or (b.shape[1] * b.element_size()) % 16:
+        return False
+    if a.device.type == "cuda":
+        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
+    return a.device.type == "cpu" and a.dtype == torch.float32
+
+
+def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[g] = a[rows of g].T @ b[rows of g]`` (``[G, M, N]`` for ``a`` ``[R, M]``, ``b`` ``[R, N]``):
+    the weight gradient of a grouped product. Empty groups give zeros."""
+    if a.shape[0] > 0 and _wgrad_supported(a, b):
+        return torch._grouped_mm(a.t(), b, offs=offsets)
+    ends = offsets.tolist()
+    out = a.new_zeros(len(ends), a.shape[1], b.shape[1])
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            out[g] = a[start:end].T @ b[start:end]
+        start = end
+    return out

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.core.kernels.grouped import grouped_linear
 
 
 @dataclass
@@ -158,45 +157,38 @@ class LoraRoute:
             return F.linear(x, weight, bias)
         return _LoraLinearFn.apply(x, weight, bias, tuple(spans), *factors)
 
-    def expert_delta(
-        self,
-        name: str,
-        x: torch.Tensor,
-        row_group: torch.Tensor,
-        expert_offsets: torch.Tensor,
-        pair_offsets: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Correction for routed-expert rows ``x`` sorted by (expert, group).
+    def expert_factors(
+        self, name: str, row_group: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Stacked expert factors of module ``name`` for rows sorted by (expert, group), with the
+        LoRA scale of every row; ``None`` when no adapter in the batch targets the module.
 
-        ``row_group`` is the token group of each row; ``expert_offsets`` ends each expert's rows;
-        ``pair_offsets`` ends each (expert, group) run (needed when the batch has several groups).
-        """
+        One group: the adapter's own ``A [E, r, in]``, ``B [E, out, r]`` (grouped by expert). Several:
+        ``[E·G, R, in]`` / ``[E·G, out, R]`` over (expert, group) pairs, ranks padded to the largest
+        and zeros for groups without this module (their rows get no correction)."""
         active = self._active(name)
         present = [w for w in active if w is not None]
         if not present:
             return None
+        scales = self._group_scales(name, dtype)[row_group]
         if len(self.groups) == 1:
-            w, scale = present[0], self.groups[0].adapter.scale
-            h = grouped_linear(x, w.A.to(x.dtype), expert_offsets) * scale
-            return grouped_linear(h, w.B.to(x.dtype), expert_offsets)
+            return present[0].A.to(dtype), present[0].B.to(dtype), scales
         rank = max(w.rank for w in present)
         ref = present[0]
         num_experts = ref.A.shape[0]
         As, Bs = [], []
         for w in active:
             if w is None:
-                As.append(x.new_zeros(num_experts, rank, ref.A.shape[-1]))
-                Bs.append(x.new_zeros(num_experts, ref.B.shape[1], rank))
+                As.append(ref.A.new_zeros(num_experts, rank, ref.A.shape[-1], dtype=dtype))
+                Bs.append(ref.B.new_zeros(num_experts, ref.B.shape[1], rank, dtype=dtype))
             else:
-                A, B = _pad_rank(w, rank, x.dtype)
+                A, B = _pad_rank(w, rank, dtype)
                 As.append(A)
                 Bs.append(B)
         G = len(self.groups)
         A_pairs = torch.stack(As, dim=1).reshape(num_experts * G, rank, -1)
         B_pairs = torch.stack(Bs, dim=1).reshape(num_experts * G, -1, rank)
-        h = grouped_linear(x, A_pairs, pair_offsets)
-        h = h * self._group_scales(name, x.dtype)[row_group][:, None]
-        return grouped_linear(h, B_pairs, pair_offsets)
+        return A_pairs, B_pairs, scales
 
 
 class LoraLinear(nn.Module):

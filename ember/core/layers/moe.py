@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import MoEConfig
-from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
+from ember.core.kernels.grouped import grouped_linear, grouped_wgrad, offsets_from_sizes
 from ember.core.layers.activations import silu_mul
 from ember.core.layers.lora import LoraRoute
 
@@ -60,6 +60,52 @@ class SoftmaxTopKRouter(nn.Module):
         return Routing(experts=idx, weights=top.to(logits.dtype))
 
 
+class _ExpertProjection(torch.autograd.Function):
+    """One grouped expert projection with its LoRA correction, keeping little for backward.
+
+    ``y = xs @ W[e].T + (s_row · xs @ A[g].T) @ B[g].T`` where ``xs = x[rows] * in_scale`` (the
+    gathered, optionally row-scaled input), ``e`` the expert of a row and ``g`` its LoRA group. The
+    gathered ``[T·k, H]`` rows are NOT kept: backward gathers them again from ``x``. That, and folding
+    the routing weights into the down projection's input (``in_scale``), keeps an MoE layer's saved
+    activations near ``[T·k, 3·I]`` instead of ``[T·k, 2·H + 3·I]``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B):
+        xs = x if rows is None else x[rows]
+        if in_scale is not None:
+            xs = xs * in_scale[:, None].to(xs.dtype)
+        y = grouped_linear(xs, weight, offsets)
+        h = None
+        if A is not None:
+            h = grouped_linear(xs, A, lora_offsets) * lora_scale[:, None]
+            y = y + grouped_linear(h, B, lora_offsets)
+        ctx.save_for_backward(x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B, h)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B, h = ctx.saved_tensors
+        base = x if rows is None else x[rows]
+        xs = base if in_scale is None else base * in_scale[:, None].to(base.dtype)
+        gxs = grouped_linear(gy, weight.transpose(1, 2), offsets)
+        gW = grouped_wgrad(gy, xs, offsets) if ctx.needs_input_grad[3] else None
+        gA = gB = None
+        if A is not None:
+            gh = grouped_linear(gy, B.transpose(1, 2), lora_offsets)
+            gB = grouped_wgrad(gy, h, lora_offsets)
+            gh = gh * lora_scale[:, None]
+            gxs = gxs + grouped_linear(gh, A.transpose(1, 2), lora_offsets)
+            gA = grouped_wgrad(gh, xs, lora_offsets)
+        g_scale = None
+        if in_scale is not None:
+            if ctx.needs_input_grad[2]:
+                g_scale = (gxs.float() * base.float()).sum(-1).to(in_scale.dtype)
+            gxs = gxs * in_scale[:, None].to(gxs.dtype)
+        gx = gxs if rows is None else torch.zeros_like(x).index_add_(0, rows, gxs)
+        return gx, None, g_scale, gW, None, None, None, gA, gB
+
+
 class Experts(nn.Module):
     """Stacked SwiGLU experts, run as grouped products."""
 
@@ -83,30 +129,33 @@ class Experts(nn.Module):
         flat_token = torch.arange(T, device=x.device).repeat_interleave(k)
         groups = len(lora.groups) if lora is not None else 1
         if groups > 1:
-            row_group_all = lora.token_group()[flat_token]
-            key = flat_expert * groups + row_group_all
+            row_group = lora.token_group()[flat_token]
+            key = flat_expert * groups + row_group
         else:
+            row_group = torch.zeros_like(flat_expert)
             key = flat_expert
         order = torch.argsort(key, stable=True)
         token = flat_token[order]
-        xs = x[token]
+        row_group = row_group[order]
         expert_offsets = offsets_from_sizes(torch.bincount(flat_expert, minlength=self.num_experts), x.device)
-        row_group = pair_offsets = None
-        if lora is not None and groups > 1:
-            row_group = row_group_all[order]
+        pair_offsets = expert_offsets
+        if groups > 1:
             pair_offsets = offsets_from_sizes(torch.bincount(key, minlength=self.num_experts * groups), x.device)
 
-        def project(inp, weight, suffix):
-            y = grouped_linear(inp, weight, expert_offsets)
+        def project(inp, rows, in_scale, weight, suffix):
+            factors = None
             if lora is not None:
-                d = lora.expert_delta(f"{self.lora_name}.{suffix}", inp, row_group, expert_offsets, pair_offsets)
-                if d is not None:
-                    y = y + d
-            return y
+                factors = lora.expert_factors(f"{self.lora_name}.{suffix}", row_group, inp.dtype)
+            if factors is None:
+                return _ExpertProjection.apply(inp, rows, in_scale, weight, expert_offsets, None, None, None, None)
+            A, B, scale_rows = factors
+            lora_offsets = expert_offsets if groups == 1 else pair_offsets
+            return _ExpertProjection.apply(inp, rows, in_scale, weight, expert_offsets, lora_offsets, scale_rows, A, B)
 
-        gate, up = project(xs, self.gate_up_proj, "gate_up_proj").chunk(2, dim=-1)
-        out = project(silu_mul(gate, up), self.down_proj, "down_proj")
-        out = out * routing.weights.reshape(-1)[order][:, None].to(out.dtype)
+        gate, up = project(x, token, None, self.gate_up_proj, "gate_up_proj").chunk(2, dim=-1)
+        weights = routing.weights.reshape(-1)[order]
+        # the routing weight scales the down projection's input rows (same result: it is linear)
+        out = project(silu_mul(gate, up), None, weights, self.down_proj, "down_proj")
         return torch.zeros_like(x).index_add_(0, token, out)
 
 

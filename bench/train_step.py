@@ -126,8 +126,12 @@ def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):
     from peft import get_peft_model
 
     cfg = transformers.AutoConfig.for_model(**hf_cfg)
+    moe = bool(hf_cfg.get("num_experts"))
+    kwargs = {"experts_implementation": "grouped_mm"} if moe and DEVICE == "cuda" else {}
     with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        hf = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32, attn_implementation="sdpa", **kwargs
+        )
     # share Ember's weights (same names), so both run the same model
     hf.to_empty(device=DEVICE)
     ours = dict(model.named_parameters())
@@ -140,10 +144,16 @@ def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):
     if checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf.enable_input_require_grads()
-    peft_cfg = PeftConfig(
-        r=rank, lora_alpha=32, lora_dropout=0.0,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    )
+    if moe:  # experts through PEFT's target_parameters (the 3-D expert tensors)
+        peft_cfg = PeftConfig(
+            r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+    else:
+        peft_cfg = PeftConfig(
+            r=rank, lora_alpha=32, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
     pm = get_peft_model(hf, peft_cfg)
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]

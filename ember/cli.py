@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
+
+DEFAULT_HOME = os.environ.get("EMBER_HOME", "~/.ember")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -16,10 +20,155 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _database_url(args: argparse.Namespace) -> str:
+    from ember.store.db import default_sqlite_url
+
+    return args.database_url or os.environ.get("EMBER_DATABASE_URL") or default_sqlite_url(Path(args.home).expanduser())
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ember.server.config import ServerConfig
+    from ember.server.serve import parse_model_flags, run
+    from ember.server.supervisor import EngineOptions
+
+    home = Path(args.home).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or str(home / "checkpoints")
+    database_url = _database_url(args)
+    try:
+        client_config = json.loads(args.client_config) if args.client_config else {}
+        models = parse_model_flags(args.model or [], home)
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"ember serve: {e}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        models=models, database_url=database_url, storage=storage, auth=not args.no_auth, max_rank=args.max_rank,
+        long_poll_s=args.long_poll, session_timeout_s=args.session_timeout, max_body_bytes=args.max_body_mb << 20,
+        public_url=args.public_url, client_config=client_config,
+    )
+    engine = None if args.api_only else EngineOptions(
+        database_url=database_url, storage=storage, device=args.device, dtype=args.dtype,
+        max_adapters=args.max_adapters, max_rank=args.max_rank, token_budget=args.token_budget,
+        gap_timeout_s=args.gap_timeout, log_level=args.log_level,
+    )
+    run(config, args.host, args.port, engine, args.log_level)
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from ember.store import Store
+
+    store = Store.open(_database_url(args))
+    if args.keys_command == "create":
+        key_id, key = store.create_api_key(args.name)
+        print(key)
+        print(f"(key id {key_id}; only its hash is stored, so keep the key now)", file=sys.stderr)
+    elif args.keys_command == "list":
+        for k in store.list_api_keys():
+            state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
+            print(f"{k.id}\t{k.name or '-'}\tcreated {k.created_at:%Y-%m-%d %H:%M}\t{state}")
+    else:
+        if not store.revoke_api_key(args.key_id):
+            print(f"no active key {args.key_id}", file=sys.stderr)
+            return 1
+        print(f"revoked {args.key_id}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from sqlalchemy import select
+
+    from ember.store import Store
+    from ember.store.models import Session, TrainingModel
+
+    store = Store.open(_database_url(args))
+    print("ENGINES")
+    for e in store.engines():
+        tps = e.tokens / e.busy_seconds if e.busy_seconds else 0.0
+        print(f"  {e.base_model}: {e.status} pid={e.pid} generation={e.generation} passes={e.passes} "
+              f"tokens={e.tokens} ({tps:.0f} tok/s busy) heartbeat={e.heartbeat_at and e.heartbeat_at.strftime('%H:%M:%S')}"
+              + (f" detail={e.detail}" if e.detail else ""))
+    print("QUEUE (futures by base model and state)")
+    for (base, state), n in sorted(store.queue_counts().items()):
+        print(f"  {base}\t{state}\t{n}")
+    with store.read() as s:
+        sessions = list(s.scalars(select(Session).where(Session.status == "active").order_by(Session.created_at)))
+        models = list(s.scalars(select(TrainingModel).where(TrainingModel.status.in_(("creating", "active")))
+                                .order_by(TrainingModel.created_at)))
+    print(f"ACTIVE SESSIONS ({len(sessions)})")
+    for se in sessions:
+        print(f"  {se.id}\towner={se.owner}\tlast heartbeat {se.last_heartbeat:%H:%M:%S}\t{se.display_name or ''}")
+    print(f"LOADED MODELS ({len(models)})")
+    for m in models:
+        print(f"  {m.id}\t{m.base_model}\trank={m.lora['rank']}\tnext_seq={m.next_seq}\t{m.status}")
+    return 0
+
+
+def _add_db_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--home", default=DEFAULT_HOME, help=f"Ember's folder (default {DEFAULT_HOME}, or $EMBER_HOME)")
+    p.add_argument("--database-url", default=None,
+                   help="SQLAlchemy URL, e.g. postgresql://user@host/db (default: SQLite at HOME/ember.db, "
+                   "or $EMBER_DATABASE_URL)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ember``."""
     parser = argparse.ArgumentParser(prog="ember", description="Ember: a LoRA-native Tinker-compatible engine")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the Tinker-compatible service (API + one engine per base model)",
+        description="Serve the Tinker API. Point the official SDK at it with TINKER_BASE_URL=http://HOST:PORT "
+        "and TINKER_API_KEY=<a key from `ember keys create`>. With no --model it serves a tiny built-in "
+        "model (random weights, local tokenizer) built under --home on first use.",
+    )
+    _add_db_flags(serve)
+    serve.add_argument("--model", action="append", metavar="[NAME=]PATH",
+                       help="a local Hugging Face model folder to serve; NAME is what clients pass as base_model "
+                       "(default: the folder name). Repeat for several models.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--storage", default=None,
+                       help="checkpoint root: a folder or an fsspec URL such as s3://bucket/prefix "
+                       "(default HOME/checkpoints)")
+    serve.add_argument("--no-auth", action="store_true", help="accept any tml- key (local use; one shared owner)")
+    serve.add_argument("--device", default="cpu", help="torch device of the engines (default cpu)")
+    serve.add_argument("--dtype", default=None, help="float32 | bfloat16 (default bfloat16 on CUDA, else float32)")
+    serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
+    serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
+    serve.add_argument("--token-budget", type=int, default=16384,
+                       help="tokens per packed forward/backward pass across adapters (default 16384)")
+    serve.add_argument("--session-timeout", type=float, default=300.0,
+                       help="seconds without a heartbeat before a session ends and its adapters are freed (default 300)")
+    serve.add_argument("--long-poll", type=float, default=25.0, help="seconds retrieve_future waits (default 25)")
+    serve.add_argument("--gap-timeout", type=float, default=300.0,
+                       help="seconds a model waits for a missing seq_id before skipping it (default 300)")
+    serve.add_argument("--max-body-mb", type=int, default=64, help="largest request body in MiB (default 64)")
+    serve.add_argument("--public-url", default=None, help="base URL for download links (default: the request's)")
+    serve.add_argument("--client-config", default=None, metavar="JSON",
+                       help='extra SDK flags for /api/v1/client/config, e.g. \'{"proto_compress_fwdbwd": true}\'')
+    serve.add_argument("--api-only", action="store_true",
+                       help="run only the API process; engines run elsewhere on the same database")
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(func=_serve)
+
+    keys = sub.add_parser("keys", help="create, list or revoke API keys", description="Manage API keys (stored hashed).")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
+    create.add_argument("--name", default="", help="a label for the key")
+    listing = keys_sub.add_parser("list", help="list keys (ids and labels, never the keys)")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("key_id")
+    for p in (create, listing, revoke):
+        _add_db_flags(p)
+    keys.set_defaults(func=_keys)
+
+    status = sub.add_parser("status", help="print engines, the queue, sessions and loaded models",
+                            description="Reads the database directly; works while `ember serve` runs.")
+    _add_db_flags(status)
+    status.set_defaults(func=_status)
+
     demo = sub.add_parser(
         "demo",
         help="train two LoRA adapters on a tiny random model in shared packed batches",

@@ -49,3 +49,78 @@ class RequestError:
 
     message: str
     category: str = "user"
+
+
+@dataclass
+class SamplingParams:
+    """Tinker's ``SamplingParams`` (shared/spec/tinker_api.md §3.8).
+
+    ``max_tokens`` ``None``: until a stop or the end of the context. ``temperature`` 0: greedy.
+    ``top_k`` -1 (or 0): off. ``seed`` ``None``: a random seed. ``stop``: ``None`` = EOS only,
+    ``[]`` = nothing stops (not even EOS), a string, a list of strings, a list of token ids, or (Ember)
+    a list of token-id lists (multi-token stop sequences). Stop strings need the caller's tokenizer
+    (``Worker.sample(..., detokenize=...)``).
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list | None = None
+
+
+@dataclass
+class SampleInput:
+    """One sampling request: ``num_samples`` completions of ``prompt`` with adapter ``slot`` (0: base).
+
+    ``prompt_logprobs``: logprob of every prompt token (NaN at 0). ``prompt_logprobs_last_n``: only
+    the last ``n`` prompt positions (implies prompt logprobs; NaN before). ``topk_prompt_logprobs``
+    / ``topk_sample_logprobs``: the k most likely tokens per prompt / sampled position.
+    ``target_prompt_logprobs``: ``[P-1, K]`` token ids (-1 = none) to score at positions ``1..P-1``.
+    ``record_routing``: the experts each MoE layer chose for every token the model read.
+    """
+
+    slot: int
+    prompt: np.ndarray
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: np.ndarray | None = None
+    record_routing: bool = False
+
+
+@dataclass
+class SampledSequence:
+    """One completion: ``tokens`` (stop tokens included), the model's logprob of each (temperature 1,
+    the trainer's logprob), ``stop_reason`` ``"stop"`` (EOS or a stop condition) or ``"length"``.
+
+    ``topk_ids`` / ``topk_logprobs`` ``[G, k]``; ``routing`` ``[P + G - 1, L, k]``: experts of each
+    MoE layer for the prompt and every generated token but the last (the model input of the datum
+    ``prompt + tokens``)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    stop_reason: str
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+    routing: np.ndarray | None = None
+
+
+@dataclass
+class SampleOutput:
+    """The completions of one request (sample ``i`` used seed ``derive_seed(seed, i)``) and the
+    prompt-side outputs: ``prompt_logprobs`` ``[P]`` (NaN where not computed), ``topk_prompt_ids`` /
+    ``topk_prompt_logprobs`` ``[P, k]`` (empty entries: id 0, logprob -99999, as on Tinker's wire),
+    ``target_prompt_logprobs`` ``[P-1, K]`` (0.0 where the target was -1), ``routing_layers`` (the
+    layer index of each routing column)."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: np.ndarray | None = None
+    topk_prompt_ids: np.ndarray | None = None
+    topk_prompt_logprobs: np.ndarray | None = None
+    target_prompt_logprobs: np.ndarray | None = None
+    routing_layers: tuple[int, ...] = ()

@@ -27,15 +27,23 @@ class AdapterBankFull(RuntimeError):
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """Shape of one adapter: rank, alpha (scale = alpha / rank), targeted module categories, seed."""
+    """Shape of one adapter: rank, alpha (scale = alpha / rank), targeted module categories, seed.
+
+    ``normalize_moe_lora`` (Megatron-Bridge's flag, spec §3.9): routed-expert adapters get rank
+    ``rank / top_k`` and scale ``alpha / (rank / top_k)``, so the top-k experts of a token together
+    hold about a rank-``rank`` correction; the rank must be a multiple of the router's top-k."""
 
     rank: int = 32
     alpha: float = 32.0
     targets: frozenset[str] = frozenset(CATEGORIES)
     seed: int = 0
+    normalize_moe_lora: bool = False
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "targets": sorted(self.targets), "seed": self.seed}
+        d = {"rank": self.rank, "alpha": self.alpha, "targets": sorted(self.targets), "seed": self.seed}
+        if self.normalize_moe_lora:
+            d["normalize_moe_lora"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> LoraConfig:
@@ -44,6 +52,7 @@ class LoraConfig:
             alpha=float(d.get("alpha", 32.0)),
             targets=frozenset(d.get("targets", CATEGORIES)),
             seed=int(d.get("seed", 0)),
+            normalize_moe_lora=bool(d.get("normalize_moe_lora", False)),
         )
 
 
@@ -72,6 +81,11 @@ class Adapter:
         self._sizes = [math.prod(shape) for _, a, b in layout for shape in (a, b)]
         self.weights = self._views(flat.detach())
         self.optimizer = AdapterOptimizer([self.flat])
+        # modules whose rank is below config.rank (normalize_moe_lora experts) use scale
+        # alpha / their rank: view() multiplies their B by rank / their rank
+        self.scale_multipliers = {
+            name: config.rank / a[-2] for name, a, _ in layout if config.normalize_moe_lora and a[-2] != config.rank
+        }
 
     def _views(self, flat: torch.Tensor) -> dict[str, LoraWeights]:
         pieces = torch.split(flat, self._sizes)
@@ -87,7 +101,10 @@ class Adapter:
     def view(self, dtype: torch.dtype, trainable: bool = True) -> AdapterView:
         """The factors for one forward pass, in ``dtype`` (one cast for the whole adapter)."""
         flat = self.flat if trainable else self.flat.detach()
-        return AdapterView(self._views(flat.to(dtype)), self.scale)
+        weights = self._views(flat.to(dtype))
+        for name, mult in self.scale_multipliers.items():
+            weights[name] = LoraWeights(weights[name].A, weights[name].B * mult)
+        return AdapterView(weights, self.scale)
 
     def parameters(self) -> list[torch.Tensor]:
         """The trainable tensors (the flat factor vector)."""
@@ -172,14 +189,31 @@ class AdapterBank:
         unknown = set(config.targets) - set(CATEGORIES)
         if unknown or not config.targets:
             raise ValueError(f"targets must be a non-empty subset of {list(CATEGORIES)}, got {sorted(config.targets)}")
+        top_k = self._expert_top_k(config)
+        if top_k and config.rank % top_k:
+            raise ValueError(
+                f"normalize_moe_lora gives routed experts rank = rank / top_k: rank {config.rank} must be a "
+                f"multiple of the router top-k {top_k}"
+            )
+
+    def _expert_top_k(self, config: LoraConfig) -> int | None:
+        """The router top-k that divides the experts' rank under ``normalize_moe_lora`` (else None)."""
+        moe = getattr(self.model.config, "moe", None)
+        if not config.normalize_moe_lora or moe is None:
+            return None
+        if not any(t.num_experts and t.category in config.targets for t in self.targets):
+            return None
+        return moe.top_k
 
     def _new_flat(self, config: LoraConfig) -> tuple[list, torch.Tensor]:
         gen = torch.Generator().manual_seed(config.seed)
+        top_k = self._expert_top_k(config)
         layout, parts = [], []
         for t in self.targets:
             if t.category not in config.targets:
                 continue
-            a_shape, b_shape = _factor_shapes(t, config.rank)
+            rank = config.rank // top_k if top_k and t.num_experts else config.rank
+            a_shape, b_shape = _factor_shapes(t, rank)
             bound = 1.0 / math.sqrt(t.in_features)
             parts.append(((torch.rand(a_shape, generator=gen) * 2 - 1) * bound).reshape(-1))
             parts.append(torch.zeros(math.prod(b_shape)))
@@ -209,6 +243,22 @@ class AdapterBank:
         old = self.get(slot)
         del self._adapters[slot]
         return self.create(old.config, slot)
+
+    def snapshot(self, slot: int, into: int | None = None) -> Adapter:
+        """A frozen-in-time copy of ``slot``'s factors in a new slot (the lowest free, or ``into``),
+        without gradients or optimizer state: a sampler made from it keeps these weights while the
+        original trains on. One device copy of the flat factor vector, no disk round-trip."""
+        src = self.get(slot)
+        if into is None:
+            free = self.free_slots()
+            if not free:
+                raise AdapterBankFull(f"all {self.max_adapters} adapter slots are in use")
+            into = free[0]
+        elif into in self._adapters or not 1 <= into <= self.max_adapters:
+            raise ValueError(f"slot {into} is not free")
+        adapter = Adapter(into, src.config, list(src.layout), src.flat.detach().clone())
+        self._adapters[into] = adapter
+        return adapter
 
     def free(self, slot: int) -> None:
         """Empty a slot, releasing its weights and optimizer state."""

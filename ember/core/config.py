@@ -147,20 +147,29 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         dense = set(cfg.get("mlp_only_layers") or [])
         dense |= {i for i in range(num_layers) if (i + 1) % step != 0}
         dense |= set(range(int(cfg.get("first_k_dense_replace", 0) or 0)))
+        sigmoid_router = model_type in SIGMOID_ROUTER_TYPES
+        if model_type == "glm4_moe_lite":
+            # transformers' Glm4MoeLite: mlp_layer_types alone decides (default: only layer 0 dense)
+            types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+            dense = {i for i, t in enumerate(types[:num_layers]) if t == "dense"}
+        shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0)
+        if sigmoid_router and not shared:  # DeepSeek: n_shared_experts experts of moe_intermediate_size each
+            shared = int(cfg.get("n_shared_experts", 0) or 0) * int(cfg["moe_intermediate_size"])
         moe = MoEConfig(
             num_experts=int(num_experts),
             top_k=int(cfg["num_experts_per_tok"]),
             intermediate_size=int(cfg["moe_intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            scoring=str(cfg.get("scoring_func", "softmax")),
+            scoring=str(cfg.get("scoring_func", "sigmoid" if sigmoid_router else "softmax")),
             num_shared_experts=int(cfg.get("n_shared_experts", 0) or 0),
-            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+            shared_intermediate_size=shared,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
             dense_layers=frozenset(dense),
         )
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
+        # token ids a request may use; Inkling-2 pads its embedding/head rows beyond the real vocabulary
+        vocab_size=int(cfg.get("unpadded_vocab_size") or cfg["vocab_size"]),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=heads,
@@ -182,7 +191,11 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
-MOE_TYPES = {"qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen4_exp", "inkling2"}
+# DeepSeek-V3-style MoE: sigmoid noaux_tc router; shared experts of n_shared_experts × moe_intermediate_size
+SIGMOID_ROUTER_TYPES = {"deepseek_v3", "glm4_moe_lite"}
+MOE_TYPES = {
+    "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "inkling2"
+}
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -20,6 +20,10 @@ from ember.core.layers.norms import RMSNorm
 from ember.core.models import CausalLM, model_class
 
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# a table saved in row shards (``….shard_{i}.weight``: Qwen3.8-Flash-Next's n-gram memory), loaded whole
+_SHARD_KEY = re.compile(r"^(?P<param>.*)\.shard_(?P<i>\d+)\.weight$")
+# multimodal checkpoints (Qwen3.8-Flash-Next) keep the text model under ``model.language_model``
+_TEXT_PREFIX = "model.language_model."
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -44,8 +48,10 @@ def build_empty(cfg: ModelConfig) -> CausalLM:
 
 def _materialise(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
     model.to_empty(device=device)
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+    # a family may keep some parameters in fp32 whatever ``dtype`` (e.g. DeepSeek's router bias)
+    keep_fp32 = tuple(getattr(model, "fp32_parameters", ()))
+    for name, p in model.named_parameters():
+        p.data = p.data.to(torch.float32 if name.endswith(keep_fp32) else dtype)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 
@@ -61,17 +67,49 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    shards: dict[str, list[tuple[int, Path, str]]] = defaultdict(list)
+    # a family whose checkpoints use other names (or layouts) than its modules maps each key:
+    # ``map_checkpoint_key(key) -> (parameter name, convert or None) | None (skip)``
+    remap = getattr(model, "map_checkpoint_key", None)
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
+                if remap is not None:
+                    mapped = remap(key)
+                    if mapped is not None and mapped[0] in params:
+                        name, convert = mapped
+                        t = f.get_tensor(key)
+                        with torch.no_grad():
+                            params[name].copy_(convert(t) if convert is not None else t)
+                        filled.add(name)
+                    continue
+                stored = key
+                if key.startswith(_TEXT_PREFIX):
+                    key = "model." + key[len(_TEXT_PREFIX) :]
+                shard = _SHARD_KEY.match(key)
+                if shard and f"{shard['param']}.weight" in params:
+                    shards[f"{shard['param']}.weight"].append((int(shard["i"]), path, stored))
+                    continue
                 m = _EXPERT_KEY.match(key)
                 if m:
-                    experts[m["prefix"]][int(m["e"])][m["proj"]] = f.get_tensor(key)
+                    # experts of layers the model does not build (e.g. MTP layers) are not read
+                    if f"{m['prefix']}.gate_up_proj" in params:
+                        experts[m["prefix"]][int(m["e"])][m["proj"]] = f.get_tensor(stored)
                     continue
                 if key in params:
                     with torch.no_grad():
-                        params[key].copy_(f.get_tensor(key))
+                        params[key].copy_(f.get_tensor(stored))
                     filled.add(key)
+    for name, parts in shards.items():
+        row = 0
+        for _, path, stored in sorted(parts):
+            with safe_open(str(path), framework="pt", device="cpu") as f, torch.no_grad():
+                t = f.get_tensor(stored)
+                params[name][row : row + t.shape[0]].copy_(t)
+                row += t.shape[0]
+        if row != params[name].shape[0]:
+            raise ValueError(f"{name}: checkpoint shards hold {row} rows, model expects {params[name].shape[0]}")
+        filled.add(name)
     for prefix, per_expert in experts.items():
         gate_up, down = params.get(f"{prefix}.gate_up_proj"), params.get(f"{prefix}.down_proj")
         if gate_up is None or down is None:

@@ -25,8 +25,18 @@ from ember.core.losses import loss_sum
 from ember.core.models import CausalLM, ForwardContext
 from ember.core.optim import AdamParams
 from ember.core.peft_format import export_peft, import_peft
+from ember.core.sampling import InvalidGeneration, SamplerConfig, SamplingEngine
+from ember.core.sampling.requests import Detokenize
+from ember.engine.sampler import generation_request, sample_output
 from ember.lossdefs import LOSS_SPECS, resolve_loss_config
-from ember.types import ForwardBackwardInput, ForwardBackwardOutput, InvalidRequest, RequestError
+from ember.types import (
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    InvalidRequest,
+    RequestError,
+    SampleInput,
+    SampleOutput,
+)
 
 
 class _Prepared:
@@ -51,6 +61,7 @@ class Worker:
         max_rank: int = 64,
         max_seq_len: int | None = None,
         logprob_chunk: int | None = None,
+        sampler_config: SamplerConfig | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -58,6 +69,8 @@ class Worker:
         self.device = self.bank.device
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         self.logprob_chunk = logprob_chunk
+        self.sampler_config = sampler_config
+        self._sampler: SamplingEngine | None = None
 
     @classmethod
     def from_pretrained(
@@ -80,6 +93,55 @@ class Worker:
 
     def adapter(self, slot: int) -> Adapter:
         return self.bank.get(slot)
+
+    def snapshot_adapter(self, slot: int) -> int:
+        """Copy ``slot``'s current weights into a new slot for a sampler (no optimizer state); the
+        copy keeps sampling these weights while ``slot`` trains on. Returns the new slot."""
+        return self.bank.snapshot(slot).slot
+
+    # -- sampling -------------------------------------------------------------------------------
+
+    @property
+    def sampler(self) -> SamplingEngine:
+        """The sampling engine (its KV cache is allocated at first use)."""
+        if self._sampler is None:
+            self._sampler = SamplingEngine(
+                self.model, self.bank, self.sampler_config, self.max_seq_len, self.logprob_chunk
+            )
+        return self._sampler
+
+    def release_sampler(self) -> None:
+        """Free the sampler's KV cache and captured graphs (e.g. to give training the memory)."""
+        self._sampler = None
+
+    def sample(
+        self, requests: Sequence[SampleInput], detokenize: Detokenize | None = None
+    ) -> list[SampleOutput | RequestError]:
+        """Generate for every valid request, all in shared decode steps (continuous batching over
+        adapters and the base model); invalid ones fail alone with a message. ``detokenize(ids) ->
+        str`` (the tokenizer's decode) is needed only for stop strings."""
+        results: list[SampleOutput | RequestError | None] = [None] * len(requests)
+        engine = self.sampler
+        valid, gens = [], []
+        eos = tuple(self.config.eos_token_ids)
+        for i, req in enumerate(requests):
+            try:
+                g = generation_request(req, eos, self.config.vocab_size, self.max_seq_len, detokenize)
+                engine.check(g)
+            except (InvalidRequest, InvalidGeneration) as e:
+                results[i] = RequestError(str(e))
+                continue
+            valid.append(i)
+            gens.append(g)
+        if gens:
+            try:
+                outs = engine.generate(gens)
+            except BaseException:
+                self._sampler = None  # a failed run leaves requests half-done: start the next one fresh
+                raise
+            for i, out in zip(valid, outs):
+                results[i] = sample_output(out)
+        return results  # type: ignore[return-value]
 
     # -- forward / backward ---------------------------------------------------------------------
 

@@ -90,9 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
     """MLA with LoRA-adaptable projections (``q_proj`` or ``q_a_proj``/``q_b_proj``,
     ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``); names mirror transformers."""
 
-    def __init__(
-        self, cfg: MLAConfig, layer: int, rotary: RotaryEmbedding, spec: AttentionSpec, scale: float
-    ):
+    def __init__(self, cfg: MLAConfig, layer: int, rotary: RotaryEmbedding, spec: AttentionSpec, scale: float):
         super().__init__()
         self.cfg = cfg
         self.layer = layer

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from ember.core.config import ModelConfig
 from ember.core.models.base import CausalLM, ForwardContext, LoraTarget
+from ember.core.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ember.core.models.inkling2 import Inkling2ForCausalLM
 from ember.core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from ember.core.models.olmo3 import Olmo3ForCausalLM
+from ember.core.models.qwen3_next import Qwen3NextForCausalLM
+from ember.core.models.qwen4_exp import Qwen4ExpForCausalLM
 
 FAMILIES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
+    "inkling2": Inkling2ForCausalLM,
+    "inkling2_text": Inkling2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "glm4_moe_lite": DeepseekV3ForCausalLM,
+    "olmo3": Olmo3ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen4_exp": Qwen4ExpForCausalLM,
+    "qwen4_exp_text": Qwen4ExpForCausalLM,
 }
 
 

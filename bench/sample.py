@@ -1,0 +1,362 @@
+"""Sampling on a Qwen3-8B-shaped model: Ember's sampler vs HF transformers generate + PEFT, one run.
+
+Workloads (random bf16 weights, LoRA rank 32 on q,k,v,o,gate,up,down; temperature 1, no stop, so
+every sequence generates exactly --new tokens):
+
+* a          --prompts (64) prompts x --prompt-len (128) tokens -> --new (256) tokens, one adapter,
+             adapter bank of 1 slot
+* a-32slots  the same with 32 adapter slots configured and all filled (cost of configured slots)
+* b          --mixed-prompts (256) prompts over --adapters (8) adapters, round robin
+* b-1        the same prompts with one adapter (b / b-1 is the cost of mixing adapters)
+* hf         transformers generate on a PEFT model (same weights) for workload a: static cache when
+             it works, else the dynamic cache
+* gap        bf16 rollout/trainer mismatch: |sampler logprob - trainer logprob| of the sampled tokens
+             of workload a (the trainer's packed forward, same weights)
+
+For each Ember workload: generated tokens/s (second run; the first one compiles kernels and
+captures CUDA graphs), the median decode step at full batch against its memory-bandwidth floor
+((weights + LoRA factors + KV cache read per step) / 4.3 TB/s), and time to the first token.
+"ttft cold" is from engine construction (model already in memory) to the first sampled token of a
+one-prompt request: KV allocation, Triton compilation and the first graph capture included.
+
+    python bench/sample.py --out /tmp/bench            # on the GPU
+    python bench/sample.py --shape tiny --new 16       # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import COPY_BANDWIDTH, QWEN3_8B, TINY, TINY_MOE, hardware_line, sync  # noqa: E402
+from ember.core.adapters import AdapterBank, LoraConfig  # noqa: E402
+from ember.core.batch import pack  # noqa: E402
+from ember.core.config import config_from_hf  # noqa: E402
+from ember.core.layers.attention import PackedAttention  # noqa: E402
+from ember.core.loading import random_model  # noqa: E402
+from ember.core.logprobs import token_logprobs  # noqa: E402
+from ember.core.models.base import ForwardContext  # noqa: E402
+from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule  # noqa: E402
+from ember.core.sampling.engine import EngineStats  # noqa: E402
+
+SHAPES = {"qwen3-8b": QWEN3_8B, "tiny": TINY, "tiny-moe": TINY_MOE}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TARGETS = frozenset({"attn", "mlp"})
+
+
+def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length) for _ in range(n)]
+
+
+def fill_adapters(bank: AdapterBank, count: int, rank: int) -> list[int]:
+    """``count`` adapters with small random factors (B != 0, so every adapter changes the output)."""
+    slots = []
+    for i in range(count):
+        a = bank.create(LoraConfig(rank=rank, alpha=32.0, targets=TARGETS, seed=i))
+        with torch.no_grad():
+            a.flat.normal_(0.0, 0.01, generator=torch.Generator(device=a.flat.device).manual_seed(i))
+        slots.append(a.slot)
+    return slots
+
+
+def weight_bytes(model, bank: AdapterBank, slots: list[int]) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (a lookup), plus the LoRA
+    factors of the adapters in the batch (in the activation dtype)."""
+    emb = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    if model.config.tie_word_embeddings:
+        total += emb.numel() * emb.element_size()
+    esize = torch.finfo(DTYPE).bits // 8
+    return total + sum(bank.get(s).num_parameters() * esize for s in set(slots) if s)
+
+
+def run_ember(
+    model,
+    prompts,
+    new: int,
+    n_adapters: int,
+    bank_slots: int,
+    fill: int,
+    rank: int,
+    graphs: bool,
+    static: bool | None,
+    keep: bool = False,
+) -> dict:
+    bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
+    slots = fill_adapters(bank, fill, rank)
+    used = slots[:n_adapters]
+    plen = len(prompts[0])
+    page = 16
+    config = SamplerConfig(
+        max_seqs=len(prompts),
+        page_size=page,
+        kv_tokens=(len(prompts) + 1) * (plen + new + page),
+        max_prefill_tokens=max(16384, plen),
+        cuda_graphs=graphs,
+        static_decode=static,
+    )
+    sync()
+    t_start = time.perf_counter()
+    engine = SamplingEngine(model, bank, config, max_seq_len=plen + new + page)
+    engine.generate([GenerationRequest(prompts[0], 1, [0], slot=used[0])])
+    sync()
+    ttft_cold = engine.stats.first_token_time - t_start
+    reqs = [
+        GenerationRequest(p, new, [1000 + i], slot=used[i % len(used)], temperature=1.0, stop=StopRule())
+        for i, p in enumerate(prompts)
+    ]
+    engine.generate(reqs)  # warm-up: compiles kernels, captures the batch's graphs
+    sync()
+    engine.stats = EngineStats()
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    sync()
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    tokens = sum(len(s.tokens) for r in results for s in r.sequences)
+    full = [dt for b, dt in st.step_times if b == len(prompts)]
+    step = statistics.median(full) if full else float("nan")
+    kv_per_token = engine.cache.nbytes_per_token()
+    mean_ctx = plen + new / 2
+    floor_bytes = weight_bytes(model, bank, used) + len(prompts) * mean_ctx * kv_per_token
+    out = {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_cold_s": ttft_cold,
+        "ttft_s": st.first_token_time - t0,
+        "prefill_s": st.prefill_seconds,
+        "decode_steps": st.decode_steps,
+        "decode_step_s": step,
+        "floor_step_s": floor_bytes / COPY_BANDWIDTH,
+        "floor_bytes": floor_bytes,
+        "static_decode": engine.static is not None,
+        "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
+    }
+    out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
+    if keep:
+        out["_state"] = (bank, used, reqs, results)
+    else:
+        del engine, bank
+    gc.collect()
+    return out
+
+
+@torch.no_grad()
+def trainer_logprobs(model, bank: AdapterBank, slot: int, tokens: np.ndarray) -> np.ndarray:
+    """Logprobs of ``tokens[1:]`` from the trainer's packed forward (as ``Worker.forward_backward``)."""
+    batch = pack([tokens[:-1]], [(slot, False)], DEVICE)
+    attn = PackedAttention(batch.doc_lengths, torch.device(DEVICE))
+    ctx = ForwardContext(
+        batch.positions,
+        lambda i, q, k, v, s, sc: attn(q, k, v, s, sc),
+        lora=bank.route(batch.groups),
+        seq_lens=batch.doc_lengths,
+    )
+    hidden = model.hidden_states(batch.input_ids, ctx)
+    lp = token_logprobs(
+        hidden,
+        model.unembed_weight,
+        torch.as_tensor(tokens[1:], device=DEVICE),
+        lora=ctx.lora,
+        softcap=model.final_logit_softcap,
+    )
+    return lp.float().cpu().numpy()
+
+
+def logprob_gap(model, state, n_seqs: int = 16) -> dict:
+    """|sampler - trainer| logprobs of the sampled tokens: the trainer's packed forward (as
+    ``Worker.forward_backward`` runs it) over prompt + completion."""
+    bank, _, reqs, results = state
+    deltas = []
+    for r, res in list(zip(reqs, results))[:n_seqs]:
+        seq = res.sequences[0]
+        tokens = np.concatenate([np.asarray(r.prompt), seq.tokens])
+        trainer = trainer_logprobs(model, bank, r.slot, tokens)[len(r.prompt) - 1 :]
+        deltas.append(np.abs(trainer - seq.logprobs))
+    d = np.concatenate(deltas)
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "tokens": int(d.size)}
+
+
+def run_hf(model, hf_cfg, prompts, new: int, rank: int) -> dict:
+    import transformers
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model
+
+    cfg = transformers.AutoConfig.for_model(**hf_cfg)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=DTYPE, attn_implementation="sdpa")
+    hf.to_empty(device=DEVICE)
+    ours = dict(model.named_parameters())
+    with torch.no_grad():  # share Ember's weights (same names), so both run the same model
+        for name, p in hf.named_parameters():
+            p.data = ours[name].data
+    inv, _ = type(hf.model.rotary_emb).compute_default_rope_parameters(cfg, device=DEVICE)
+    hf.model.rotary_emb.inv_freq = inv
+    hf.model.rotary_emb.original_inv_freq = inv.clone()
+    peft_cfg = PeftConfig(
+        r=rank,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    pm = get_peft_model(hf, peft_cfg).eval()
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.01)
+    ids = torch.tensor(np.stack(prompts), device=DEVICE)
+    gen_cfg = copy.deepcopy(pm.generation_config)
+    gen_cfg.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+
+    def generate(n_new, cache):
+        g = copy.deepcopy(gen_cfg)
+        g.update(max_new_tokens=n_new, min_new_tokens=n_new, cache_implementation=cache)
+        with torch.no_grad():
+            return pm.generate(ids, attention_mask=torch.ones_like(ids), generation_config=g)
+
+    cache = "static" if DEVICE == "cuda" else None
+    try:
+        generate(4, cache)
+    except Exception as e:  # noqa: BLE001 - static cache does not work with every model/PEFT combination
+        print(f"hf static cache failed ({type(e).__name__}: {e}); using the dynamic cache", flush=True)
+        cache = None
+        generate(4, cache)
+    sync()
+    t0 = time.perf_counter()
+    out = generate(new, cache)
+    sync()
+    wall = time.perf_counter() - t0
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cache": cache or "dynamic"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--mixed-prompts", type=int, default=256)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--no-graphs", action="store_true", help="static decode steps without CUDA-graph capture")
+    ap.add_argument(
+        "--decode",
+        choices=["auto", "eager", "static"],
+        default="auto",
+        help="decode path (auto: static shapes + CUDA graphs on the GPU for dense models)",
+    )
+    ap.add_argument("--only", default="a,a-32slots,b,b-1,hf,gap", help="comma list of workloads")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = SHAPES[args.shape]
+    torch.manual_seed(0)
+    print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
+    model = random_model(config_from_hf(hf_cfg), DEVICE, DTYPE, seed=0)
+    vocab = hf_cfg["vocab_size"]
+    prompts = make_prompts(vocab, args.prompts, args.prompt_len)
+    mixed = make_prompts(vocab, args.mixed_prompts, args.prompt_len, seed=1)
+    graphs = not args.no_graphs
+    static = {"auto": None, "eager": False, "static": True}[args.decode]
+    only = args.only.split(",")
+    plan = {
+        "a": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only),
+        "a-32slots": lambda: run_ember(model, prompts, args.new, 1, 32, 32, args.rank, graphs, static),
+        "b": lambda: run_ember(
+            model, mixed, args.new, args.adapters, max(32, args.adapters), args.adapters, args.rank, graphs, static
+        ),
+        "b-1": lambda: run_ember(
+            model, mixed, args.new, 1, max(32, args.adapters), args.adapters, args.rank, graphs, static
+        ),
+        "hf": lambda: run_hf(model, hf_cfg, prompts, args.new, args.rank),
+    }
+    results: dict[str, dict] = {}
+    for name in only:
+        if name == "gap":
+            continue
+        try:
+            r = plan[name]()
+        except Exception as e:  # noqa: BLE001 - report and go on: one failing workload must not hide the others
+            traceback.print_exc()
+            r = {"error": f"{type(e).__name__}: {e}"}
+        results[name] = r
+        if "error" not in r:
+            line = f"{name:10s} {r['tokens_per_s']:9.0f} tok/s  ({r['tokens']} tokens in {r['wall_s']:.2f}s)"
+            if "decode_step_s" in r:
+                line += (
+                    f"  decode step {1e3 * r['decode_step_s']:.2f} ms vs floor {1e3 * r['floor_step_s']:.2f} ms"
+                    f" ({r['step_vs_floor']:.2f}x)  ttft {r['ttft_s']:.2f}s  ttft cold {r['ttft_cold_s']:.2f}s"
+                    f"  graphs={r['cuda_graphs']}"
+                )
+            print(line, flush=True)
+    if "gap" in only and "_state" in results.get("a", {}):
+        try:
+            results["gap"] = logprob_gap(model, results["a"].pop("_state"))
+            g = results["gap"]
+            print(
+                f"logprob gap sampler vs trainer ({DTYPE}): mean |d| {g['mean_abs']:.2e}, max |d| {g['max_abs']:.2e}"
+                f" over {g['tokens']} tokens",
+                flush=True,
+            )
+        except Exception as e:  # noqa: BLE001 - report it with the other results
+            traceback.print_exc()
+            results["gap"] = {"error": f"{type(e).__name__}: {e}"}
+    results.get("a", {}).pop("_state", None)
+
+    def ratio(x, y):
+        a, b = results.get(x, {}), results.get(y, {})
+        return a["tokens_per_s"] / b["tokens_per_s"] if "tokens_per_s" in a and "tokens_per_s" in b else None
+
+    summary = {
+        "a_vs_hf": ratio("a", "hf"),
+        "mixed_vs_one": ratio("b", "b-1"),
+        "32slots_vs_1slot": ratio("a-32slots", "a"),
+    }
+    print("\n| workload | tokens/s | decode step (ms) | floor (ms) | step/floor | TTFT (s) | TTFT cold (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if name == "gap":
+            continue
+        if "error" in r:
+            print(f"| {name} | error: {r['error'][:80]} |")
+        elif "decode_step_s" in r:
+            print(
+                f"| {name} | {r['tokens_per_s']:.0f} | {1e3 * r['decode_step_s']:.2f} | {1e3 * r['floor_step_s']:.2f} | "
+                f"{r['step_vs_floor']:.2f}x | {r['ttft_s']:.2f} | {r['ttft_cold_s']:.2f} |"
+            )
+        else:
+            print(f"| {name} ({r['cache']} cache) | {r['tokens_per_s']:.0f} | | | | | |")
+    print(
+        f"\nEmber a / HF: {summary['a_vs_hf']}   b (8 adapters) / b-1 (one): {summary['mixed_vs_one']}   "
+        f"32 slots / 1 slot: {summary['32slots_vs_1slot']}"
+    )
+    out = {
+        "hardware": hardware_line(),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "dtype": str(DTYPE),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "results": results,
+        "summary": summary,
+    }
+    (args.out / f"sample_{args.shape}.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Gated DeltaNet linear attention (Yang et al., arXiv:2412.06464) over packed sequences, as in
+Qwen3-Next and Qwen3.8-Flash-Next (spec §3.4; transformers ``Qwen3NextGatedDeltaNet``).
+
+Per value head a state ``S`` (``[dk, dv]``, fp32) evolves token by token::
+
+    S ← exp(g_t)·S;   S ← S + k_t (β_t (v_t − Sᵀk_t))ᵀ;   o_t = Sᵀ q_t
+
+with ``q, k`` L2-normalised (``q`` also scaled by ``dk^-1/2``), ``β = σ(b)`` and
+``g = −exp(A_log)·softplus(a + dt_bias)``. Training and prefill use the chunked (UT/WY) form over
+chunks of 64 tokens, one row per sequence so that no state crosses ``ctx.seq_lens``; a decoding pass
+of one token per sequence uses the recurrent form. Between passes the layer keeps, through
+``ctx.state``: ``conv`` (``[N, K-1, C]``, the last inputs of its short convolution) and
+``recurrent`` (``[N, Hv, dk, dv]``, fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.core.layers.lora import LoraLinear, LoraRoute
+from ember.core.layers.norms import RMSNorm
+from ember.core.layers.packed_conv import causal_conv
+
+if TYPE_CHECKING:
+    from ember.core.models.base import ForwardContext
+
+CHUNK = 64
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """Head counts and sizes of a Gated DeltaNet layer (transformers ``linear_*`` config fields)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    eps: float
+    gate_activation: str  # of the output gate: silu (Qwen3-Next) or sigmoid (Qwen3.8-Flash-Next)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> GDNShape:
+        act = raw.get("output_gate_type") or raw.get("hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"output_gate_type {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+        shape = cls(
+            num_k_heads=int(raw.get("linear_num_key_heads", 16)),
+            num_v_heads=int(raw.get("linear_num_value_heads", 32)),
+            head_k_dim=int(raw.get("linear_key_head_dim", 128)),
+            head_v_dim=int(raw.get("linear_value_head_dim", 128)),
+            conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+            eps=float(raw.get("rms_norm_eps", 1e-6)),
+            gate_activation=act,
+        )
+        if shape.num_v_heads % shape.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({shape.num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({shape.num_k_heads})"
+            )
+        return shape
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(Σx² + eps)`` over the last dimension (FLA's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seq_lens: list[int],
+    initial_state: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule for packed sequences (fp32).
+
+    ``q, k`` ``[T, H, dk]`` (normalised and scaled), ``v`` ``[T, H, dv]``, ``g, beta`` ``[T, H]``;
+    ``initial_state`` ``[N, H, dk, dv]`` or ``None``. Returns ``o`` ``[T, H, dv]`` and the final
+    state ``[N, H, dk, dv]``. Each sequence is one row padded to whole chunks; padding has
+    ``k = v = β = g = 0`` so it changes neither outputs nor the final state. The math follows
+    transformers' ``torch_chunk_gated_delta_rule`` (UT transform by a unit-triangular solve).
+    """
+    n, device = len(seq_lens), q.device
+    H, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    length = math.ceil(max(seq_lens) / chunk) * chunk
+    lens = torch.tensor(seq_lens, device=device)
+    row = torch.repeat_interleave(torch.arange(n, device=device), lens)
+    col = torch.arange(q.shape[0], device=device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [N, H, chunks, chunk, ...]
+        out = x.new_zeros(n, length, *x.shape[1:]).index_put((row, col), x)
+        out = out.transpose(1, 2)
+        return out.reshape(n, H, length // chunk, chunk, *x.shape[2:])
+
+    q, k, v, g, beta = rows(q), rows(k), rows(v), rows(g), rows(beta)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
+    gc = g.cumsum(-1)
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q = q * gc.exp()[..., None]
+    k = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()[..., None, None]
+    state = q.new_zeros(n, H, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for i in range(length // chunk):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, 2).reshape(n, H, length, dv).transpose(1, 2)
+    return o[row, col], state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the gated delta rule for one token per sequence (fp32): ``q, k`` ``[N, H, dk]``,
+    ``v`` ``[N, H, dv]``, ``g, beta`` ``[N, H]``, ``state`` ``[N, H, dk, dv]`` (``None``: zero).
+    Returns ``o`` ``[N, H, dv]`` and the new state."""
+    if state is None:
+        state = q.new_zeros(*k.shape, v.shape[-1])
+    state = state.to(q.dtype) * g.exp()[..., None, None]
+    delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+class GatedRMSNorm(RMSNorm):
+    """``w ⊙ RMSNorm(x) ⊙ act(z)`` per head (transformers ``RMSNormGated``: normalise in fp32, cast,
+    scale by ``w`` (initialised to 1), then gate in fp32)."""
+
+    def __init__(self, dim: int, eps: float, activation: str):
+        super().__init__(dim, eps)
+        self.activation = _ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        xf = x.float()
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * self.activation(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention token mixer of Qwen3-Next (``fused_projections``: ``in_proj_qkvz`` and
+    ``in_proj_ba``, interleaved per key head) and Qwen3.8-Flash-Next (``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``). Projections are LoRA targets (``attn``); the short convolution,
+    ``A_log``, ``dt_bias`` and the norm stay frozen (spec §3.9)."""
+
+    def __init__(self, hidden: int, shape: GDNShape, layer: int, fused_projections: bool):
+        super().__init__()
+        self.layer = layer
+        self.shape = shape
+        self.fused_projections = fused_projections
+        s = shape
+        conv_dim = 2 * s.key_dim + s.value_dim
+        if fused_projections:
+            self.in_proj_qkvz = LoraLinear(hidden, 2 * s.key_dim + 2 * s.value_dim, False, "attn")
+            self.in_proj_ba = LoraLinear(hidden, 2 * s.num_v_heads, False, "attn")
+        else:
+            self.in_proj_qkv = LoraLinear(hidden, conv_dim, False, "attn")
+            self.in_proj_z = LoraLinear(hidden, s.value_dim, False, "attn")
+            self.in_proj_b = LoraLinear(hidden, s.num_v_heads, False, "attn")
+            self.in_proj_a = LoraLinear(hidden, s.num_v_heads, False, "attn")
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, s.conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
+        self.norm = GatedRMSNorm(s.head_v_dim, s.eps, s.gate_activation)
+        self.out_proj = LoraLinear(s.value_dim, hidden, False, "attn")
+
+    def _project(self, x: torch.Tensor, lora: LoraRoute | None) -> tuple[torch.Tensor, ...]:
+        """``(qkv [T, 2·Kd + Vd], z [T, Hv, dv], b [T, Hv], a [T, Hv])``."""
+        s, T = self.shape, x.shape[0]
+        if not self.fused_projections:
+            z = self.in_proj_z(x, lora).view(T, s.num_v_heads, s.head_v_dim)
+            return self.in_proj_qkv(x, lora), z, self.in_proj_b(x, lora), self.in_proj_a(x, lora)
+        r = s.num_v_heads // s.num_k_heads
+        qkvz = self.in_proj_qkvz(x, lora).view(T, s.num_k_heads, -1)
+        q, k, v, z = qkvz.split([s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x, lora).view(T, s.num_k_heads, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return qkv, z.reshape(T, s.num_v_heads, s.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        s, T = self.shape, x.shape[0]
+        seq_lens = ctx.seq_lens or [T]
+        state = ctx.state
+        qkv, z, b, a = self._project(x, ctx.lora)
+        conv_history = state.get(self.layer, "conv") if state is not None else None
+        qkv, conv_history = causal_conv(qkv, self.conv1d.weight[:, 0], seq_lens, conv_history)
+        qkv = F.silu(qkv).to(x.dtype)
+        q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        r = s.num_v_heads // s.num_k_heads
+        f = torch.promote_types(x.dtype, torch.float32)  # the rule runs in fp32 (fp64 for fp64 models)
+        q = q.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1).to(f)
+        k = k.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1).to(f)
+        q = l2norm(q) * s.head_k_dim**-0.5
+        k = l2norm(k)
+        v = v.reshape(T, s.num_v_heads, s.head_v_dim).to(f)
+        beta = b.sigmoid().to(f)
+        g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias)
+        recurrent = state.get(self.layer, "recurrent") if state is not None else None
+        if state is not None and max(seq_lens) == 1:
+            o, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent)
+        else:
+            o, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, seq_lens, recurrent)
+        if state is not None:
+            state.put(self.layer, "conv", conv_history)
+            state.put(self.layer, "recurrent", recurrent)
+        o = self.norm(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(T, -1), ctx.lora)

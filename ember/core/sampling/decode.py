@@ -1,0 +1,149 @@
+"""One decode step: one new token for each running sequence, through the paged KV cache.
+
+:class:`DecodeBatch` is what the engine hands a decoder (sequences in adapter-slot order, so each
+adapter owns a contiguous run of rows, as :class:`~ember.core.layers.lora.LoraRoute` requires).
+:class:`EagerDecoder` runs it with the model's ordinary LoRA route; the static-shape decoder for
+CUDA graphs is :class:`ember.core.sampling.graphs.StaticDecoder`. Both return raw fp32 logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.core.adapters import AdapterBank, AdapterView
+from ember.core.layers.lora import LoraRoute, TokenGroup
+from ember.core.layers.rope import RotaryEmbedding
+from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
+from ember.core.sampling.attention import DecodeAttention
+from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
+from ember.core.sampling.logits import head_logits
+
+
+@dataclass
+class DecodeBatch:
+    """The rows of one decode step, in packed (slot) order.
+
+    ``positions[i]`` is the position of ``input_ids[i]`` (the number of tokens already cached) and
+    ``slot_mapping[i]`` the flat cache slot its keys and values go to.
+    """
+
+    seq_ids: list[int]
+    slots: list[int]
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    record_routing: bool = False
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def slot_runs(self) -> list[tuple[int, int, int]]:
+        """``(slot, start, end)`` runs of consecutive rows with one slot."""
+        runs: list[tuple[int, int, int]] = []
+        for i, s in enumerate(self.slots):
+            if runs and runs[-1][0] == s:
+                runs[-1] = (s, runs[-1][1], i + 1)
+            else:
+                runs.append((s, i, i + 1))
+        return runs
+
+
+@dataclass
+class DecodeContext(ForwardContext):
+    """A forward context whose rotary cos/sin come from per-position tables computed once (so a
+    decode step only gathers them: no host data, as CUDA-graph capture requires)."""
+
+    rope_tables: dict = field(default_factory=dict, repr=False)
+    max_positions: int = 0
+
+    def rope(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(rotary), dtype)
+        if key not in self._rope:
+            table = self.rope_tables.get(key)
+            if table is None:
+                positions = torch.arange(self.max_positions, device=self.positions.device)
+                table = self.rope_tables[key] = rotary.cos_sin(positions, dtype)
+            self._rope[key] = (table[0].index_select(0, self.positions), table[1].index_select(0, self.positions))
+        return self._rope[key]
+
+
+def block_table_tensor(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """``[B, width]`` int32 block table, padded with the scratch page 0."""
+    out = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out.to(device)
+
+
+class EagerDecoder:
+    """Decode steps through the model's ordinary forward (any family, MoE and routing records
+    included); tensors are built per step.
+
+    Each adapter is cast to the activation dtype once when its request is admitted (:meth:`refresh`),
+    not at every step: a step would otherwise re-read every adapter's fp32 factors.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        bank: AdapterBank,
+        cache: PagedKVCache,
+        states: RecurrentStateStore,
+        max_positions: int,
+    ):
+        self.model = model
+        self.bank = bank
+        self.cache = cache
+        self.states = states
+        self.max_positions = max_positions
+        self.rope_tables: dict = {}
+        self._views: dict[int, AdapterView] = {}
+
+    def refresh(self, slots: Iterable[int]) -> None:
+        """Take the current factors of ``slots`` (call when their requests are admitted)."""
+        for s in set(slots):
+            if s:
+                self._views[s] = self.bank.get(s).view(self.bank.dtype, trainable=False)
+
+    def _route(self, batch: DecodeBatch) -> LoraRoute | None:
+        runs = batch.slot_runs()
+        for s in set(self._views) - {s for s, _, _ in runs}:
+            del self._views[s]  # no sequence of that adapter is left
+        for s, _, _ in runs:
+            if s and s not in self._views:
+                self.refresh([s])
+        groups = [TokenGroup(self._views[s] if s else None, a, b) for s, a, b in runs]
+        route = LoraRoute(groups, self.cache.device)
+        return route if route.adapted else None
+
+    def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
+        """Raw fp32 logits ``[B, V]`` of the step and, if asked, the MoE routing record."""
+        device = self.cache.device
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
+        width = max(len(t) for t in batch.block_tables)
+        attend = DecodeAttention(
+            self.cache,
+            torch.tensor(batch.slot_mapping, dtype=torch.long, device=device),
+            block_table_tensor(batch.block_tables, width, device),
+            (positions + 1).to(torch.int32),
+        )
+        lora = self._route(batch)
+        routing = RoutingRecord(record={}) if batch.record_routing else None
+        ctx = DecodeContext(
+            positions=positions,
+            attend=attend,
+            lora=lora,
+            seq_lens=[1] * len(batch),
+            state=self.states.view(batch.seq_ids),
+            routing=routing,
+            rope_tables=self.rope_tables,
+            max_positions=self.max_positions,
+        )
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
+        hidden = self.model.hidden_states(input_ids, ctx)
+        logits = head_logits(hidden, self.model.unembed_weight, lora)
+        return logits, (routing.record if routing is not None else None)

@@ -1,0 +1,487 @@
+"""The sampling engine: generation with the trainer's model and adapters, over a paged KV cache.
+
+Each :meth:`SamplingEngine.step`
+
+1. admits waiting requests (:class:`~ember.core.sampling.scheduler.Scheduler`) and prefills their
+   prompts in ONE packed pass without padding (mixed adapters, ordered by slot). Full-vocabulary
+   logits are computed only where needed: the last prompt position (the first sampled token of
+   every sample) and the positions whose top-k prompt logprobs were asked for; plain prompt
+   logprobs and target logprobs use the trainer's chunked :func:`~ember.core.logprobs.token_logprobs`.
+   Samples of one prompt then fork its KV pages (full pages shared);
+2. runs one decode step for every running sequence, whatever its adapter (the base model included),
+   and samples each next token (:mod:`ember.core.sampling.logits`); finished sequences free their
+   rows and pages at once, so waiting requests join in the next step (continuous batching).
+
+Sampling runs under ``torch.no_grad`` on the trainer's own model and adapter bank (LoRA-native: no
+weight sync). Decode steps use an adapter's factors as they were when a request for it was last
+admitted (cast once to the activation dtype, or copied into the static decoder's stacks), so a
+``generate`` call samples the weights current at its start. A sampler that must keep old weights
+while training goes on samples a *snapshot* slot (``AdapterBank.snapshot``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ember.core.adapters import AdapterBank
+from ember.core.batch import pack
+from ember.core.logprobs import token_logprobs
+from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
+from ember.core.sampling.attention import PrefillAttention
+from ember.core.sampling.decode import DecodeBatch, EagerDecoder
+from ember.core.sampling.graphs import StaticDecoder, default_buckets, graphs_failed
+from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
+from ember.core.sampling.logits import (
+    capped,
+    chunked_rows,
+    head_logits,
+    log_softmax,
+    sample_tokens,
+    seeded_uniform,
+    topk_logprobs,
+)
+from ember.core.sampling.requests import (
+    EMPTY_TOPK_ID,
+    EMPTY_TOPK_LOGPROB,
+    GenerationRequest,
+    GenerationResult,
+    InvalidGeneration,
+    SequenceResult,
+)
+from ember.core.sampling.scheduler import RequestState, Scheduler, SequenceState
+
+# rows sampled at once from one prompt's logits (bounds the [rows, V] fp64 work of huge num_samples)
+SAMPLE_ROWS = 256
+
+
+@dataclass
+class SamplerConfig:
+    """Capacity and execution choices of a :class:`SamplingEngine`.
+
+    * ``max_seqs``: sequences decoded together (rows of a decode step).
+    * ``kv_tokens``: KV cache capacity in tokens. ``None``: on CUDA, ``kv_memory_fraction`` of the
+      free device memory at construction; elsewhere ``max_seqs`` x min(context, 2048), at most 65536.
+    * ``max_prefill_tokens``: prompt tokens admitted per step (a longer single prompt still runs).
+    * ``static_decode``: decode with static shapes (:mod:`ember.core.sampling.graphs`); ``None``:
+      on CUDA for dense Llama/Qwen3 models in bf16. ``cuda_graphs``: capture those steps.
+    """
+
+    max_seqs: int = 256
+    page_size: int = 16
+    kv_tokens: int | None = None
+    kv_memory_fraction: float = 0.3
+    max_prefill_tokens: int = 16384
+    static_decode: bool | None = None
+    cuda_graphs: bool = True
+    buckets: tuple[int, ...] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters and timings (host wall time; each decode step ends in a device sync)."""
+
+    prefill_passes: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    step_times: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1 << 16))  # (rows, s)
+    first_token_time: float | None = None  # perf_counter() when the first token was sampled
+
+
+STATIC_FAMILIES = {"llama", "qwen3"}
+
+
+class SamplingEngine:
+    """Generation for one model and its adapter bank (see module doc)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        bank: AdapterBank,
+        config: SamplerConfig | None = None,
+        max_seq_len: int | None = None,
+        logprob_chunk: int | None = None,
+    ):
+        self.model = model
+        self.bank = bank
+        self.config = config = config or SamplerConfig()
+        self.vocab = model.config.vocab_size
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self.logprob_chunk = logprob_chunk
+        self.softcap = model.final_logit_softcap
+        self.device = bank.device
+        dtype = next(model.parameters()).dtype
+        kv_tokens = config.kv_tokens or self._default_kv_tokens(dtype)
+        num_pages = math.ceil(kv_tokens / config.page_size) + 1
+        self.cache = PagedKVCache(num_pages, config.page_size, dtype, self.device)
+        self.states = RecurrentStateStore()
+        self.scheduler = Scheduler(
+            config.max_seqs, self.cache.usable_pages, config.page_size, config.max_prefill_tokens
+        )
+        self.eager = EagerDecoder(model, bank, self.cache, self.states, self.max_seq_len)
+        static = config.static_decode
+        if static is None:
+            static = (
+                self.device.type == "cuda"
+                and dtype == torch.bfloat16
+                and model.config.model_type in STATIC_FAMILIES
+                and model.config.moe is None
+            )
+        self.static = None
+        if static:
+            buckets = config.buckets or default_buckets(config.max_seqs)
+            self.static = StaticDecoder(model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs)
+        self.stats = EngineStats()
+        self._next_handle = 0
+        self._next_seq = 0
+
+    def _default_kv_tokens(self, dtype: torch.dtype) -> int:
+        cfg = self.config
+        if self.device.type != "cuda":
+            return min(cfg.max_seqs * min(self.max_seq_len, 2048), 1 << 16)
+        # upper estimate (every layer with full K and V heads); layers are allocated at first write
+        mc = self.model.config
+        per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.finfo(dtype).bits // 8
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(cfg.page_size, min(int(free * cfg.kv_memory_fraction) // per_token, cfg.max_seqs * self.max_seq_len))
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def check(self, req: GenerationRequest) -> None:
+        """Raise :class:`InvalidGeneration` naming the first field this engine cannot serve."""
+        prompt = np.asarray(req.prompt)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise InvalidGeneration("prompt must be a non-empty 1-D list of token ids")
+        if not np.issubdtype(prompt.dtype, np.integer):
+            raise InvalidGeneration(f"prompt must hold integer token ids, got {prompt.dtype}")
+        if prompt.min() < 0 or prompt.max() >= self.vocab:
+            raise InvalidGeneration(
+                f"prompt token ids must be in [0, {self.vocab}), got {prompt.min()}..{prompt.max()}"
+            )
+        P = prompt.size
+        if P > self.max_seq_len:
+            raise InvalidGeneration(f"prompt of {P} tokens exceeds the context length {self.max_seq_len}")
+        if not isinstance(req.max_tokens, (int, np.integer)) or req.max_tokens < 1:
+            raise InvalidGeneration(f"max_tokens={req.max_tokens} must be an integer >= 1")
+        if P + req.max_tokens > self.max_seq_len:
+            raise InvalidGeneration(
+                f"prompt of {P} tokens + max_tokens={req.max_tokens} exceeds the context length {self.max_seq_len}"
+            )
+        if len(req.seeds) < 1:
+            raise InvalidGeneration("num_samples must be >= 1")
+        if not (math.isfinite(req.temperature) and req.temperature >= 0):
+            raise InvalidGeneration(f"temperature={req.temperature} must be a finite number >= 0")
+        if not (0 < req.top_p <= 1):
+            raise InvalidGeneration(f"top_p={req.top_p} must be in (0, 1]")
+        if not isinstance(req.top_k, (int, np.integer)) or req.top_k < -1:
+            raise InvalidGeneration(f"top_k={req.top_k} must be -1 (off) or a positive integer")
+        for name in ("topk_prompt", "topk_sample"):
+            k = getattr(req, name)
+            if not isinstance(k, (int, np.integer)) or not 0 <= k <= self.vocab:
+                raise InvalidGeneration(f"{name}={k} must be an integer in [0, {self.vocab}]")
+        if req.prompt_logprobs_from is not None and req.prompt_logprobs_from < 0:
+            raise InvalidGeneration(f"prompt_logprobs_from={req.prompt_logprobs_from} must be >= 0")
+        if req.slot and req.slot not in self.bank:
+            raise InvalidGeneration(f"adapter slot {req.slot} is empty")
+        if req.prompt_targets is not None:
+            t = np.asarray(req.prompt_targets)
+            if t.ndim != 2 or t.shape[0] != P - 1 or not np.issubdtype(t.dtype, np.integer):
+                raise InvalidGeneration(f"target_prompt_logprobs must be an integer array [{P - 1}, K], got {t.shape}")
+            if t.size and (t.min() < -1 or t.max() >= self.vocab):
+                raise InvalidGeneration(f"target_prompt_logprobs ids must be -1 (none) or in [0, {self.vocab})")
+        try:
+            self.scheduler.plan(-1, req)
+        except ValueError as e:
+            raise InvalidGeneration(str(e)) from None
+
+    def submit(self, req: GenerationRequest) -> int:
+        """Queue a request (checked first); returns its handle."""
+        self.check(req)
+        handle = self._next_handle
+        self._next_handle += 1
+        self.scheduler.add(self.scheduler.plan(handle, req))
+        return handle
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Run requests to completion (continuous batching); results in request order."""
+        handles = [self.submit(r) for r in requests]
+        done: dict[int, GenerationResult] = {}
+        while not self.scheduler.idle:
+            done.update(self.step())
+        return [done[h] for h in handles]
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    @torch.no_grad()
+    def step(self) -> dict[int, GenerationResult]:
+        """One engine step (admission + prefill, then one decode step); returns the requests that
+        finished in it, by handle."""
+        finished: dict[int, GenerationResult] = {}
+        admitted = self.scheduler.admit()
+        if admitted:
+            slots = [r.request.slot for r in admitted]
+            self.eager.refresh(slots)
+            if self.static is not None:
+                self.static.sync(slots)
+            self._prefill(admitted, finished)
+        if self.scheduler.running:
+            self._decode(finished)
+        return finished
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    def _prefill(self, reqs: list[RequestState], finished: dict[int, GenerationResult]) -> None:
+        t0 = time.perf_counter()
+        ps = self.cache.page_size
+        batch = pack([r.request.prompt for r in reqs], [(r.request.slot, False) for r in reqs], self.device)
+        order = sorted(range(len(reqs)), key=lambda i: batch.starts[i])
+        slot_mapping: list[int] = []
+        for i in order:
+            r = reqs[i]
+            r.sequences = [self._new_sequence(r, j, seed) for j, seed in enumerate(r.request.seeds)]
+            owner = r.sequences[0]
+            P = len(r.request.prompt)
+            owner.pages = [self.cache.allocate() for _ in range(math.ceil(P / ps))]
+            owner.cached = P
+            slot_mapping += self.cache.slots(owner.pages, 0, P)
+        record = any(r.request.record_routing for r in reqs)
+        ctx = ForwardContext(
+            positions=batch.positions,
+            attend=PrefillAttention(self.cache, torch.tensor(slot_mapping, device=self.device), batch.doc_lengths),
+            lora=self.bank.route(batch.groups),
+            seq_lens=batch.doc_lengths,
+            state=self.states.view([reqs[i].sequences[0].id for i in order]),
+            routing=RoutingRecord(record={}) if record else None,
+        )
+        hidden = self.model.hidden_states(batch.input_ids, ctx)
+
+        # logits of each prompt's last position, rows in packed (slot) order
+        last = [batch.starts[i] + batch.lengths[i] - 1 for i in order]
+        route = self.bank.route(_runs([(reqs[i].request.slot, False) for i in order]))
+        raw = head_logits(hidden[last], self.model.unembed_weight, route)
+        lp, z = log_softmax(raw, self.softcap), capped(raw, self.softcap)
+        row = {i: j for j, i in enumerate(order)}
+
+        for i, r in enumerate(reqs):
+            P = len(r.request.prompt)
+            h = hidden[batch.starts[i] : batch.starts[i] + P]
+            self._prompt_outputs(r, h)
+            if r.request.record_routing:
+                r.prompt_routing = _routing_array(ctx.routing.record, batch.starts[i], P)
+                r.outputs["routing_layers"] = tuple(sorted(ctx.routing.record))
+
+        seqs = [s for i in order for s in reqs[i].sequences]
+        rows = [row[i] for i in order for _ in reqs[i].sequences]
+        self._sample_into(seqs, rows, lp, z)
+        self.stats.prefill_passes += 1
+        self.stats.prefill_tokens += batch.num_tokens
+        self.stats.prefill_seconds += time.perf_counter() - t0
+
+        for i in order:
+            r = reqs[i]
+            owner, P = r.sequences[0], len(r.request.prompt)
+            for s in r.sequences[1:]:
+                if s.stop_reason is None:
+                    s.pages = self.cache.fork(owner.pages, P)
+                    s.cached = P
+                    self.states.fork(owner.id, s.id)
+            for s in r.sequences:
+                if s.stop_reason is None:
+                    self.scheduler.running.append(s)
+                else:
+                    self._finish(s, finished)
+
+    def _new_sequence(self, r: RequestState, index: int, seed: int) -> SequenceState:
+        self._next_seq += 1
+        return SequenceState(id=self._next_seq, request=r, index=index, seed=int(seed))
+
+    def _route(self, slot: int, n: int):
+        return self.bank.route([((slot, False), 0, n)])
+
+    def _prompt_outputs(self, r: RequestState, h: torch.Tensor) -> None:
+        """Prompt logprobs, top-k prompt logprobs and target logprobs from the prompt's hidden states
+        (position ``i`` is predicted from hidden state ``i - 1``)."""
+        req = r.request
+        P = len(req.prompt)
+        W = self.model.unembed_weight
+        prompt = torch.as_tensor(np.asarray(req.prompt), dtype=torch.long, device=self.device)
+        lo = max(1, req.prompt_logprobs_from or 1)
+        if req.prompt_logprobs_from is not None:
+            out = np.full(P, np.nan, dtype=np.float32)
+            if lo < P:
+                lps = token_logprobs(
+                    h[lo - 1 : P - 1],
+                    W,
+                    prompt[lo:P],
+                    lora=self._route(req.slot, P - lo),
+                    softcap=self.softcap,
+                    chunk=self.logprob_chunk,
+                )
+                out[lo:] = lps.float().cpu().numpy()
+            r.outputs["prompt_logprobs"] = out
+        if req.topk_prompt:
+            k = req.topk_prompt
+            ids = np.full((P, k), EMPTY_TOPK_ID, dtype=np.int32)
+            vals = np.full((P, k), EMPTY_TOPK_LOGPROB, dtype=np.float32)
+            step = chunked_rows(P, self.vocab)
+            for c0 in range(lo, P, step):
+                c1 = min(P, c0 + step)
+                raw = head_logits(h[c0 - 1 : c1 - 1], W, self._route(req.slot, c1 - c0))
+                ids[c0:c1], vals[c0:c1] = topk_logprobs(log_softmax(raw, self.softcap), k)
+            r.outputs["topk_prompt"] = (ids, vals)
+        if req.prompt_targets is not None:
+            t = np.asarray(req.prompt_targets)
+            out = np.zeros(t.shape, dtype=np.float32)
+            if P > 1 and t.shape[1]:
+                tt = torch.as_tensor(np.where(t < 0, 0, t), dtype=torch.long, device=self.device)
+                lps = token_logprobs(
+                    h[: P - 1], W, tt, lora=self._route(req.slot, P - 1), softcap=self.softcap, chunk=self.logprob_chunk
+                )
+                out = np.where(t < 0, 0.0, lps.float().cpu().numpy()).astype(np.float32)
+            r.outputs["target_prompt_logprobs"] = out
+
+    # -- decode ----------------------------------------------------------------------------------
+
+    def _decode(self, finished: dict[int, GenerationResult]) -> None:
+        t0 = time.perf_counter()
+        ps = self.cache.page_size
+        seqs = sorted(self.scheduler.running, key=lambda s: (s.slot, s.id))
+        for s in seqs:
+            if s.cached == len(s.pages) * ps:
+                s.pages.append(self.cache.allocate())
+        batch = DecodeBatch(
+            seq_ids=[s.id for s in seqs],
+            slots=[s.slot for s in seqs],
+            input_ids=[s.tokens[-1] for s in seqs],
+            positions=[s.cached for s in seqs],
+            slot_mapping=[s.pages[s.cached // ps] * ps + s.cached % ps for s in seqs],
+            block_tables=[s.pages for s in seqs],
+            record_routing=any(s.request.request.record_routing for s in seqs),
+        )
+        raw, record = self._run_decoder(batch)
+        for s in seqs:
+            s.cached += 1
+        if record is not None:
+            arr = _routing_array(record, 0, len(seqs))
+            for i, s in enumerate(seqs):
+                if s.request.request.record_routing:
+                    s.routing.append(arr[i : i + 1])
+        self._sample_into(seqs, list(range(len(seqs))), log_softmax(raw, self.softcap), capped(raw, self.softcap))
+        for s in seqs:
+            if s.stop_reason is not None:
+                self._finish(s, finished)
+        dt = time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(seqs)
+        self.stats.decode_seconds += dt
+        self.stats.step_times.append((len(seqs), dt))
+
+    def _run_decoder(self, batch: DecodeBatch):
+        if self.static is not None and not batch.record_routing:
+            if self.device.type != "cuda":
+                return self.static.run(batch)
+            try:
+                return self.static.run(batch)
+            except Exception as e:  # noqa: BLE001 - a GPU-only path: keep sampling, eagerly
+                graphs_failed(e)
+                self.static = None
+        return self.eager.run(batch)
+
+    # -- sampling and results --------------------------------------------------------------------
+
+    def _sample_into(self, seqs: list[SequenceState], rows: list[int], lp: torch.Tensor, z: torch.Tensor) -> None:
+        """Sample the next token of each sequence from logits row ``rows[i]`` and record it."""
+        tokens: list[int] = []
+        for c0 in range(0, len(seqs), SAMPLE_ROWS):
+            part = seqs[c0 : c0 + SAMPLE_ROWS]
+            idx = torch.tensor(rows[c0 : c0 + SAMPLE_ROWS], device=z.device)
+            reqs = [s.request.request for s in part]
+            tokens += sample_tokens(
+                z.index_select(0, idx),
+                [q.temperature for q in reqs],
+                [q.top_k for q in reqs],
+                [q.top_p for q in reqs],
+                [seeded_uniform(s.seed, len(s.tokens)) for s in part],
+            ).tolist()
+        tok = torch.tensor(tokens, device=lp.device)
+        row_t = torch.tensor(rows, device=lp.device)
+        token_lp = lp[row_t, tok].tolist()
+        k_max = max(s.request.request.topk_sample for s in seqs)
+        if k_max:
+            top_ids, top_vals = topk_logprobs(lp, k_max)
+        if self.stats.first_token_time is None:
+            self.stats.first_token_time = time.perf_counter()
+        for s, r_i, t, l in zip(seqs, rows, tokens, token_lp):
+            req = s.request.request
+            s.tokens.append(t)
+            s.logprobs.append(l)
+            if req.topk_sample:
+                s.topk_ids.append(top_ids[r_i, : req.topk_sample])
+                s.topk_logprobs.append(top_vals[r_i, : req.topk_sample])
+            if req.stop.matches(s.tokens):
+                s.stop_reason = "stop"
+            elif len(s.tokens) >= req.max_tokens:
+                s.stop_reason = "length"
+
+    def _finish(self, s: SequenceState, finished: dict[int, GenerationResult]) -> None:
+        self.cache.release(s.pages)
+        s.pages = []
+        self.states.free(s.id)
+        if self.scheduler.finish_sequence(s):
+            r = s.request
+            finished[r.handle] = self._result(r)
+
+    def _result(self, r: RequestState) -> GenerationResult:
+        req = r.request
+        seqs = []
+        for s in r.sequences:
+            k = req.topk_sample
+            seqs.append(
+                SequenceResult(
+                    tokens=np.asarray(s.tokens, dtype=np.int32),
+                    logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                    stop_reason=s.stop_reason,
+                    topk_ids=np.stack(s.topk_ids).astype(np.int32) if k else None,
+                    topk_logprobs=np.stack(s.topk_logprobs).astype(np.float32) if k else None,
+                    routing=np.concatenate([r.prompt_routing, *s.routing]) if req.record_routing else None,
+                )
+            )
+        topk = r.outputs.get("topk_prompt")
+        return GenerationResult(
+            sequences=seqs,
+            prompt_logprobs=r.outputs.get("prompt_logprobs"),
+            topk_prompt_ids=topk[0] if topk else None,
+            topk_prompt_logprobs=topk[1] if topk else None,
+            target_prompt_logprobs=r.outputs.get("target_prompt_logprobs"),
+            routing_layers=r.outputs.get("routing_layers", ()),
+        )
+
+
+def _runs(keys: list) -> list[tuple[object, int, int]]:
+    """``(key, start, end)`` runs of equal consecutive keys."""
+    runs: list[tuple[object, int, int]] = []
+    for i, k in enumerate(keys):
+        if runs and runs[-1][0] == k:
+            runs[-1] = (k, runs[-1][1], i + 1)
+        else:
+            runs.append((k, i, i + 1))
+    return runs
+
+
+def _routing_array(record: dict[int, torch.Tensor], start: int, n: int) -> np.ndarray:
+    """Rows ``[start, start + n)`` of a routing record as ``[n, layers, k]`` int32 (layers sorted)."""
+    layers = sorted(record)
+    if not layers:
+        return np.zeros((n, 0, 0), dtype=np.int32)
+    return torch.stack([record[i][start : start + n] for i in layers], dim=1).to(torch.int32).cpu().numpy()

@@ -1,0 +1,178 @@
+"""Paged KV cache and per-sequence recurrent state for decoding.
+
+Keys and values of every attention layer live in fixed-size pages (``[num_pages, page_size, Hkv,
+D]`` per layer); each sequence owns a block table, the list of its pages in order, so a sequence
+grows one page at a time and memory is never reserved for padding. Page 0 is a scratch page that is
+never handed out: padded rows of a static-shape decode step write there, and block tables are
+padded with it.
+
+Pages are reference-counted. The samples of one prompt share the prompt's full pages (a *fork*);
+only a sequence's last, partly filled page is ever written, and a fork copies that one page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCRATCH_PAGE = 0
+
+
+class OutOfPages(RuntimeError):
+    """The cache has no free page left (the scheduler's reservations should prevent this)."""
+
+
+class PagedKVCache:
+    """Keys and values of the attention layers in ``num_pages`` pages of ``page_size`` tokens, plus
+    the page allocator.
+
+    A layer's pages are allocated at its first write, with the shapes of what it stores (``[Hkv,
+    D]`` keys, ``[Hkv, Dv]`` values), so families whose layers differ (latent attention, hybrid
+    models whose linear-attention layers keep no KV) need nothing special.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str):
+        if num_pages < 2 or page_size < 1:
+            raise ValueError("the KV cache needs at least 2 pages (page 0 is scratch) of >= 1 token")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        # pop() hands out the lowest free page first
+        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self._refs = [0] * num_pages
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages that can hold sequence data (all but the scratch page)."""
+        return self.num_pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """A fresh page with reference count 1."""
+        if not self._free:
+            raise OutOfPages(f"all {self.usable_pages} KV pages are in use")
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def share(self, page: int) -> int:
+        """One more reference to ``page`` (a fork shares it)."""
+        if self._refs[page] < 1:
+            raise ValueError(f"page {page} is not allocated")
+        self._refs[page] += 1
+        return page
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference to each page; pages nobody references return to the free list."""
+        for page in pages:
+            if self._refs[page] < 1:
+                raise ValueError(f"page {page} released more often than allocated")
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def fork(self, pages: list[int], num_tokens: int) -> list[int]:
+        """A block table for a copy of the sequence whose ``num_tokens`` tokens live in ``pages``: its
+        full pages are shared, the partly filled last page (which the copy will write) is copied."""
+        full = num_tokens // self.page_size
+        out = [self.share(p) for p in pages[:full]]
+        if num_tokens % self.page_size:
+            src, dst = pages[full], self.allocate()
+            for layer in self.k:
+                self.k[layer][dst].copy_(self.k[layer][src])
+                self.v[layer][dst].copy_(self.v[layer][src])
+            out.append(dst)
+        return out
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def slots(self, pages: list[int], start: int, count: int) -> list[int]:
+        """Flat cache slots (``page * page_size + offset``) of token positions ``[start, start+count)``."""
+        ps = self.page_size
+        return [pages[p // ps] * ps + p % ps for p in range(start, start + count)]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[T, Hkv, D]``) of one layer at the flat slots ``slot_mapping`` ``[T]``."""
+        if layer not in self.k:
+            shape = (self.num_pages, self.page_size)
+            self.k[layer] = torch.zeros(shape + tuple(k.shape[1:]), dtype=self.dtype, device=self.device)
+            self.v[layer] = torch.zeros(shape + tuple(v.shape[1:]), dtype=self.dtype, device=self.device)
+        kc, vc = self.k[layer], self.v[layer]
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+    def nbytes_per_token(self) -> int:
+        """KV bytes one cached token takes over the layers written so far."""
+        return sum((self.k[i][0, 0].numel() + self.v[i][0, 0].numel()) * self.k[i].element_size() for i in self.k)
+
+
+class RecurrentStateStore:
+    """Per-sequence recurrent state of non-attention layers (short-convolution windows, linear
+    attention), kept between the passes of decoding sequences; :meth:`view` gives one pass the
+    :class:`~ember.core.models.base.SequenceState` it reads and writes."""
+
+    def __init__(self):
+        self._state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+
+    def view(self, seq_ids: list[int]) -> PassState:
+        """The state of the sequences of one pass, in packed order."""
+        return PassState(self, list(seq_ids))
+
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` continues from ``src``'s state (values are never modified in place, so sharing
+        the tensors is safe)."""
+        if src in self._state:
+            self._state[dst] = dict(self._state[src])
+
+    def free(self, seq_id: int) -> None:
+        self._state.pop(seq_id, None)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._state
+
+
+class PassState:
+    """:class:`SequenceState` of one pass: values stacked over the pass's sequences (``[N, ...]``).
+
+    ``get`` is ``None`` when no sequence of the pass has a value yet (they all start here); when only
+    some do, the others read zeros, and rows of different lengths along their first axis are
+    zero-padded to the longest.
+    """
+
+    def __init__(self, store: RecurrentStateStore, seq_ids: list[int]):
+        self.store = store
+        self.seq_ids = seq_ids
+
+    def get(self, layer: int, name: str) -> torch.Tensor | None:
+        key = (layer, name)
+        values = [self.store._state.get(s, {}).get(key) for s in self.seq_ids]
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        ref = present[0]
+        longest = max(v.shape[0] for v in present) if ref.dim() else 0
+        rows = []
+        for v in values:
+            v = torch.zeros_like(ref) if v is None else v
+            if v.dim() and v.shape[0] < longest:
+                v = torch.cat([v, v.new_zeros(longest - v.shape[0], *v.shape[1:])])
+            rows.append(v)
+        return torch.stack(rows)
+
+    def put(self, layer: int, name: str, value: torch.Tensor) -> None:
+        if value.shape[0] != len(self.seq_ids):
+            raise ValueError(
+                f"state {name!r} of layer {layer}: {value.shape[0]} rows for {len(self.seq_ids)} sequences"
+            )
+        for s, row in zip(self.seq_ids, value.unbind(0)):
+            self.store._state.setdefault(s, {})[(layer, name)] = row

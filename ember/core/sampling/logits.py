@@ -1,0 +1,145 @@
+"""Logits of the positions that need them, and choosing the next token.
+
+**Logits.** :func:`head_logits` applies the LM head (with each adapter group's LM-head LoRA) through
+the same code as the trainer's chunked logprobs (:mod:`ember.core.logprobs`), and log-probabilities
+use the same log-sum-exp, so a sampled token's logprob equals the trainer's logprob of that token.
+Logprobs are those of the model itself (temperature 1, before top-k/top-p), as the trainer sees
+them, whatever the sampling parameters.
+
+**Sampling** (temperature ``T``, ``top_k``, ``top_p``; vLLM's order): ``T == 0`` is greedy (argmax).
+Otherwise ``softmax(logits / T)``, keep the ``top_k`` most likely tokens (``-1``/``0``: all), then
+the smallest set of most likely tokens whose probability reaches ``top_p`` (renormalised after
+top-k), and draw one token by inverting the cumulative distribution at a uniform number ``u``.
+
+**Seeds.** ``u`` is a hash of ``(seed, step)`` (SplitMix64, computed on the host), where ``step`` is
+the index of the token in its sequence. A sequence's tokens therefore depend only on its seed and
+its own logits, never on which other sequences share the batch: the same request with the same
+seed gives the same tokens, and each sample of ``num_samples`` gets its own seed
+(:func:`derive_seed`). Rows are processed independently, and a row's code path depends only on its
+own parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ember.core.layers.lora import LoraRoute
+from ember.core.logprobs import _cap, _chunk_logits, default_chunk, row_logsumexp
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64 finaliser (Steele et al., 2014): a bijective 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request with ``seed`` (distinct per sample)."""
+    return splitmix64((seed & _MASK64) ^ splitmix64(index + 1))
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """A uniform number in (0, 1) (53 bits) determined by ``(seed, step)``."""
+    h = splitmix64((seed & _MASK64) ^ splitmix64(0x5EED0000 + step))
+    return ((h >> 11) + 0.5) / float(1 << 53)
+
+
+def head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, lora: LoraRoute | None, lora_name: str = "lm_head"
+) -> torch.Tensor:
+    """Raw (uncapped) fp32 logits ``[N, V]`` of ``hidden`` ``[N, H]``: the LM head plus, for each
+    adapter group of ``lora``, its LM-head LoRA (exactly the trainer's chunk computation)."""
+    parts = []
+    if lora is not None:
+        for g in lora.groups:
+            w = g.adapter.weights.get(lora_name) if g.adapter is not None else None
+            if w is None or g.size == 0:
+                continue
+            hA = (hidden[g.start : g.end] @ w.A.to(hidden.dtype).T) * g.adapter.scale
+            parts.append((g.start, g.end, hA, w.B.to(hidden.dtype)))
+    return _chunk_logits(hidden, weight, parts, 0, hidden.shape[0])
+
+
+def log_softmax(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Log-probabilities of raw logits (the trainer's softcap and log-sum-exp)."""
+    return _cap(raw, softcap)[0] - row_logsumexp(raw, softcap)[:, None]
+
+
+def capped(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The logits the model's distribution is defined by (softcap applied)."""
+    return _cap(raw, softcap)[0]
+
+
+def topk_logprobs(logprobs: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (int32) and logprobs (float32) of the ``k`` most likely tokens of each row, most
+    likely first (ties: lower token id first)."""
+    k = min(k, logprobs.shape[-1])
+    values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return ids[:, :k].to(torch.int32).cpu().numpy(), values[:, :k].float().cpu().numpy()
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    uniforms: Sequence[float],
+) -> torch.Tensor:
+    """One token per row of ``logits`` (``[B, V]``, softcap already applied), each row with its own
+    parameters and uniform number (see module doc). Returns ``[B]`` (long)."""
+    B, V = logits.shape
+    device = logits.device
+    out = torch.empty(B, dtype=torch.long, device=device)
+    greedy = [i for i in range(B) if temperature[i] == 0]
+    plain = [i for i in range(B) if temperature[i] > 0 and _k(top_k[i], V) == V and top_p[i] >= 1]
+    filtered = [i for i in range(B) if temperature[i] > 0 and (_k(top_k[i], V) < V or top_p[i] < 1)]
+    if greedy:
+        idx = torch.tensor(greedy, device=device)
+        out[idx] = logits.index_select(0, idx).argmax(dim=-1)
+    if plain:
+        idx = torch.tensor(plain, device=device)
+        z = logits.index_select(0, idx).double() / _col([temperature[i] for i in plain], device)
+        out[idx] = _invert_cdf(torch.softmax(z, dim=-1), _col([uniforms[i] for i in plain], device))
+    if filtered:
+        idx = torch.tensor(filtered, device=device)
+        z = logits.index_select(0, idx).double() / _col([temperature[i] for i in filtered], device)
+        z, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(z, dim=-1)
+        ranks = torch.arange(V, device=device)[None, :]
+        ks = torch.tensor([_k(top_k[i], V) for i in filtered], device=device)[:, None]
+        probs = probs * (ranks < ks)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        ps = _col([top_p[i] for i in filtered], device)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability of the more likely tokens
+        probs = probs * ((before < ps) | (ps >= 1))
+        pick = _invert_cdf(probs, _col([uniforms[i] for i in filtered], device))
+        out[idx] = order.gather(1, pick[:, None])[:, 0]
+    return out
+
+
+def _k(top_k: int, vocab: int) -> int:
+    return vocab if top_k <= 0 else min(top_k, vocab)
+
+
+def _col(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, device=device)[:, None]
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index whose cumulative probability reaches ``u`` times the row's total mass (never
+    a zero-probability index, since ``0 < u < 1``)."""
+    cdf = torch.cumsum(probs, dim=-1)
+    pick = torch.searchsorted(cdf, (u[:, 0] * cdf[:, -1])[:, None].contiguous())[:, 0]
+    return pick.clamp_max(probs.shape[-1] - 1)
+
+
+def chunked_rows(n: int, vocab: int) -> int:
+    """Rows per chunk when full-vocabulary logits of ``n`` rows are needed (about 1 GiB of fp32)."""
+    return min(n, default_chunk(vocab)) if n else 1

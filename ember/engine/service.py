@@ -1,0 +1,362 @@
+"""The engine process: one per base model, the owner of its device.
+
+It polls the store for queued requests of its base model, asks the scheduler
+(:mod:`ember.engine.scheduler`) what to run, executes that on its :class:`~ember.engine.worker.Worker`
+(forward_backward requests of different models in ONE packed pass) and writes the results back.
+It reads and writes Ember's internal encodings (:mod:`ember.store.payload`), never Tinker's wire
+formats. Run it with ``python -m ember.engine.service --help`` (``ember serve`` starts it for you).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ember.core.adapters import AdapterBankFull, LoraConfig
+from ember.core.optim import AdamParams
+from ember.engine import scheduler
+from ember.engine.worker import Worker
+from ember.jsonlog import setup_logging
+from ember.storage import Storage
+from ember.store import Store
+from ember.store.payload import decode, encode
+from ember.store.repo import PendingFuture, utcnow
+from ember.types import Datum, ForwardBackwardInput, InvalidRequest, RequestError
+
+log = logging.getLogger("ember.engine")
+
+Outcome = tuple[str, bytes | None, str | None, str | None]  # (future id, result, error, category)
+
+
+class UserError(Exception):
+    """A request that failed because of what the client asked for (category ``user``)."""
+
+
+class EngineService:
+    """Runs the queued requests of one base model on one worker."""
+
+    def __init__(
+        self,
+        store: Store,
+        storage: Storage,
+        base_model: str,
+        worker: Worker,
+        *,
+        token_budget: int = 16384,
+        sample_budget: int = 8192,
+        gap_timeout_s: float = 300.0,
+        max_idle_poll_s: float = 0.02,
+    ):
+        self.store = store
+        self.storage = storage
+        self.base_model = base_model
+        self.worker = worker
+        self.token_budget = token_budget
+        self.sample_budget = sample_budget
+        self.gap_timeout_s = gap_timeout_s
+        self.max_idle_poll_s = max_idle_poll_s
+        self.slots: dict[str, int] = {}  # model id -> adapter slot
+        self._last_beat = 0.0
+
+    # -- main loop --------------------------------------------------------------------------------
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Poll and execute until ``should_stop()``; idle polling backs off to ``max_idle_poll_s``."""
+        self.store.engine_ready(self.base_model)
+        log.info("engine ready", extra={"base_model": self.base_model, "pid": os.getpid()})
+        idle = 0.001
+        while not should_stop():
+            if self.step():
+                idle = 0.001
+                continue
+            now = time.monotonic()
+            if now - self._last_beat > 2.0:
+                self.store.engine_progress(self.base_model, 0, 0, 0.0)
+                self._last_beat = now
+            time.sleep(idle)
+            idle = min(self.max_idle_poll_s, idle * 1.5)
+
+    def step(self) -> bool:
+        """Plan and run one batch of work; returns whether there was any."""
+        pending = self.store.pending(self.base_model)
+        if not pending:
+            return False
+        model_ids = [f.model_id for f in pending if f.model_id is not None]
+        cursors = self.store.cursors(model_ids)
+        work = scheduler.plan(
+            pending, cursors, utcnow(), self.token_budget, self.sample_budget, self.gap_timeout_s
+        )
+        if not work:
+            return False
+        if work.dead or work.skip:
+            for mid, seq in work.skip.items():
+                log.warning("seq_id gap skipped", extra={"model_id": mid, "next_seq": seq})
+            self.store.finish(
+                [(f.id, None, why, "user") for f, why in work.dead],
+                advance={**{f.model_id: f.seq_id + 1 for f, _ in work.dead if f.seq_id is not None}, **work.skip},
+            )
+        todo = work.ops + work.passes + work.samples
+        if not todo:
+            return bool(work.dead or work.skip)
+        payloads = self.store.claim([f.id for f in todo])
+        # Creations first, so models created in this tick exist for the rest of it.
+        for f in sorted(work.ops, key=lambda f: f.op not in ("create_model", "load_model")):
+            self._run_op(f, payloads.get(f.id))
+        if work.passes:
+            self._run_pass(work.passes, payloads)
+        for f in work.samples:
+            self._finish_one(f, None, "sampling is not available in this engine build (no Worker.sample)", "server")
+        return True
+
+    # -- forward_backward ---------------------------------------------------------------------------
+
+    def _run_pass(self, futures: list[PendingFuture], payloads: dict[str, bytes | None]) -> None:
+        requests: list[ForwardBackwardInput | None] = []
+        outcomes: list[Outcome] = []
+        for f in futures:
+            slot = self.slots.get(f.model_id)  # type: ignore[arg-type]
+            if slot is None:
+                requests.append(None)
+                continue
+            p = decode(payloads[f.id])  # type: ignore[arg-type]
+            datums = [Datum(np.asarray(d["tokens"]), dict(d["loss_inputs"])) for d in p["datums"]]
+            requests.append(ForwardBackwardInput(slot, datums, p["loss_fn"], p["loss_config"], p["forward_only"]))
+        ready = [r for r in requests if r is not None]
+        t0 = time.perf_counter()
+        try:
+            results = iter(self.worker.forward_backward(ready)) if ready else iter(())
+            error = None
+        except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, not the engine
+            log.exception("forward_backward pass failed")
+            results, error = iter(()), f"the forward/backward pass failed: {type(e).__name__}: {e}"
+        seconds = time.perf_counter() - t0
+        for f, req in zip(futures, requests):
+            if req is None:
+                outcomes.append((f.id, None, f"model {f.model_id} is not loaded in this engine", "server"))
+            elif error is not None:
+                outcomes.append((f.id, None, error, "server"))
+            else:
+                out = next(results)
+                if isinstance(out, RequestError):
+                    outcomes.append((f.id, None, out.message, out.category))
+                else:
+                    result = {"logprobs": [np.asarray(x, np.float32) for x in out.logprobs], "metrics": out.metrics}
+                    outcomes.append((f.id, encode(result), None, None))
+        advance: dict[str, int] = {}
+        for f in futures:
+            advance[f.model_id] = max(advance.get(f.model_id, 0), f.seq_id + 1)  # type: ignore[index, operator]
+        self.store.finish(outcomes, advance=advance)
+        tokens = sum(f.n_tokens for f in futures)
+        self.store.engine_progress(self.base_model, 1, tokens, seconds)
+        self._last_beat = time.monotonic()
+        log.info(
+            "packed pass",
+            extra={"requests": len(futures), "models": len({f.model_id for f in futures}), "tokens": tokens,
+                   "seconds": round(seconds, 4)},
+        )
+
+    # -- other operations ---------------------------------------------------------------------------
+
+    def _finish_one(
+        self,
+        f: PendingFuture,
+        result: dict | None,
+        error: str | None,
+        category: str | None,
+        model_status: tuple[str, str | None] | None = None,
+        checkpoint: tuple[str, tuple[str, int | None]] | None = None,
+    ) -> None:
+        self.store.finish(
+            [(f.id, encode(result) if error is None else None, error, category)],
+            advance={f.model_id: f.seq_id + 1} if f.model_id and f.seq_id is not None else None,
+            model_status={f.model_id: model_status} if model_status and f.model_id else None,
+            checkpoints=dict([checkpoint]) if checkpoint else None,
+        )
+
+    def _run_op(self, f: PendingFuture, payload: bytes | None) -> None:
+        p = decode(payload) if payload else {}
+        handler = getattr(self, f"_op_{f.op}", None)
+        ckpt_path = p.get("tinker_path")
+        t0 = time.perf_counter()
+        try:
+            if handler is None:
+                raise UserError(f"unknown operation {f.op!r}")
+            result, status = handler(f, p)
+        except (UserError, InvalidRequest, AdapterBankFull) as e:
+            self._op_failed(f, str(e), "user", ckpt_path)
+            return
+        except Exception as e:  # noqa: BLE001 - one failed request must not stop the engine
+            log.exception("operation failed", extra={"op": f.op, "request_id": f.id})
+            self._op_failed(f, f"{f.op} failed: {type(e).__name__}: {e}", "server", ckpt_path)
+            return
+        size = result.get("size_bytes") if isinstance(result, dict) else None
+        self._finish_one(
+            f, result, None, None, model_status=status, checkpoint=(ckpt_path, ("ready", size)) if ckpt_path else None
+        )
+        log.info("operation", extra={"op": f.op, "model_id": f.model_id, "seconds": round(time.perf_counter() - t0, 4)})
+
+    def _op_failed(self, f: PendingFuture, error: str, category: str, ckpt_path: str | None) -> None:
+        status = ("failed", error) if f.op in ("create_model", "load_model") else None
+        self._finish_one(
+            f, None, error, category, model_status=status, checkpoint=(ckpt_path, ("failed", None)) if ckpt_path else None
+        )
+
+    def _slot(self, model_id: str | None) -> int:
+        slot = self.slots.get(model_id)  # type: ignore[arg-type]
+        if slot is None:
+            raise UserError(f"model {model_id} is not loaded in this engine")
+        return slot
+
+    def _op_create_model(self, f: PendingFuture, p: dict):
+        config = LoraConfig.from_dict(p["lora"])
+        try:
+            self.worker.bank.validate(config)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if f.model_id in self.slots:  # an engine restart never reuses ids; be safe anyway
+            self.worker.free_adapter(self.slots.pop(f.model_id))  # type: ignore[arg-type]
+        self.slots[f.model_id] = self.worker.create_adapter(config)  # type: ignore[index]
+        return {}, ("active", None)
+
+    def _op_load_model(self, f: PendingFuture, p: dict):
+        with self._local_copy(p["uri"]) as path:
+            try:
+                self.slots[f.model_id] = self.worker.load_adapter(path, p["with_optimizer"])  # type: ignore[index]
+            except (ValueError, FileNotFoundError) as e:
+                raise UserError(f"cannot load {p.get('source_path')}: {e}") from None
+        return {}, ("active", None)
+
+    def _op_load_weights(self, f: PendingFuture, p: dict):
+        """Legacy in-place load (``TrainingClient.load_state``): the model's adapter is replaced."""
+        self.worker.free_adapter(self._slot(f.model_id))
+        del self.slots[f.model_id]  # type: ignore[arg-type]
+        return self._op_load_model(f, p)
+
+    def _op_rejected(self, f: PendingFuture, p: dict):
+        """A request the API refused: it only holds its seq_id so later requests can run."""
+        raise UserError(p.get("error", "rejected by the API"))
+
+    def _op_unload_model(self, f: PendingFuture, p: dict):
+        slot = self.slots.pop(f.model_id, None)  # type: ignore[arg-type]
+        if slot is not None:
+            self.worker.free_adapter(slot)
+        return {}, None
+
+    def _op_optim_step(self, f: PendingFuture, p: dict):
+        metrics = self.worker.optim_step(self._slot(f.model_id), AdamParams(**p["adam"]))
+        return {"metrics": metrics}, None
+
+    def _op_save_weights(self, f: PendingFuture, p: dict):
+        slot = self._slot(f.model_id)
+        with self._staging(p["uri"]) as out:
+            self.worker.save_adapter(slot, out, p["with_optimizer"], p.get("metadata"))
+        return {"size_bytes": self.storage.size(p["uri"])}, None
+
+    def _op_save_external(self, f: PendingFuture, p: dict):
+        slot = self._slot(f.model_id)
+        with self._staging(p["uri"]) as out:
+            self.worker.export_peft(slot, out, base_model=p["base_model"], layout="tinker")
+            if p.get("recipients"):
+                _age_encrypt_folder(out, p["recipients"])
+        return {"size_bytes": self.storage.size(p["uri"])}, None
+
+    # -- storage helpers ----------------------------------------------------------------------------
+
+    @contextmanager
+    def _staging(self, uri: str) -> Iterator[Path]:
+        """A path (not yet existing) to write a checkpoint folder into; on success it becomes
+        ``uri`` (a rename for a local root, an upload for fsspec)."""
+        local = self.storage.local_path(uri)
+        if local is not None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+        base = Path(tempfile.mkdtemp(prefix=".stage-", dir=local.parent if local is not None else None))
+        out = base / "out"
+        try:
+            yield out
+            if local is not None:
+                if local.exists():
+                    os.rename(local, base / "old")
+                os.rename(out, local)
+            else:
+                self.storage.upload_dir(out, uri)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    @contextmanager
+    def _local_copy(self, uri: str) -> Iterator[Path]:
+        local = self.storage.local_path(uri)
+        if local is not None:
+            yield local
+            return
+        with tempfile.TemporaryDirectory(prefix="ember-load-") as tmp:
+            yield self.storage.download_dir(uri, Path(tmp) / "ckpt")
+
+
+def _age_encrypt_folder(folder: Path, recipients: list[str]) -> None:
+    """Replace every file with its age encryption (``name.age``) for ``recipients``."""
+    import pyrage
+
+    parsed = []
+    for r in recipients:
+        try:
+            parsed.append(pyrage.ssh.Recipient.from_str(r) if r.startswith("ssh-") else pyrage.x25519.Recipient.from_str(r))
+        except Exception as e:  # noqa: BLE001 - pyrage raises its own error types
+            raise UserError(f"age_encryption_recipients: {r[:20]}… is not an age or SSH public key ({e})") from None
+    for f in sorted(folder.iterdir()):
+        f.with_name(f.name + ".age").write_bytes(pyrage.encrypt(f.read_bytes(), parsed))
+        f.unlink()
+
+
+# -- process entry point ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m ember.engine.service``."""
+    ap = argparse.ArgumentParser(prog="python -m ember.engine.service", description=__doc__.splitlines()[0])
+    ap.add_argument("--base-model", required=True, help="the name clients use for this model")
+    ap.add_argument("--model-path", required=True, help="local Hugging Face model folder")
+    ap.add_argument("--database-url", required=True)
+    ap.add_argument("--storage", required=True, help="checkpoint root: a folder or an fsspec URL")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, else float32)")
+    ap.add_argument("--max-adapters", type=int, default=32)
+    ap.add_argument("--max-rank", type=int, default=64)
+    ap.add_argument("--token-budget", type=int, default=16384, help="tokens per packed forward/backward pass")
+    ap.add_argument("--gap-timeout", type=float, default=300.0, help="seconds before a missing seq_id is skipped")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the server) is gone")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level)
+    dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    store = Store.open(args.database_url, pool_size=2, run_migrations=False)
+    caps = ["train", "sample"] if hasattr(Worker, "sample") else ["train"]
+    store.register_engine(args.base_model, os.getpid(), caps)
+    worker = Worker.from_pretrained(
+        args.model_path, args.device, getattr(torch, dtype_name), max_adapters=args.max_adapters, max_rank=args.max_rank
+    )
+    service = EngineService(
+        store, Storage(args.storage), args.base_model, worker, token_budget=args.token_budget,
+        gap_timeout_s=args.gap_timeout,
+    )
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    orphaned = (lambda: os.getppid() != args.parent_pid) if args.parent_pid else (lambda: False)
+    service.run(should_stop=lambda: bool(stopping) or orphaned())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

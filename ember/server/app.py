@@ -1,0 +1,178 @@
+"""The FastAPI application of ``ember serve``: Tinker's HTTP API over Ember's store.
+
+Routes validate requests, write them to the store as futures and answer results; engine processes
+do the work. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.server import metrics
+from ember.server.auth import Authenticator
+from ember.server.config import ServerConfig
+from ember.server.waiter import FutureWaiter
+from ember.storage import Storage
+from ember.store import Store
+
+log = logging.getLogger("ember.server")
+
+
+@dataclass
+class EmberState:
+    """What every route needs, at ``request.app.state.ember``."""
+
+    config: ServerConfig
+    store: Store
+    storage: Storage
+    auth: Authenticator
+    waiter: FutureWaiter
+    secret: str
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over ``limit`` bytes get 413 with a JSON detail (declared or streamed)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _send_json(send, 413, f"request body of {int(declared)} bytes exceeds the limit of {self.limit}")
+        seen = 0
+        too_big = False
+
+        async def limited_receive():
+            nonlocal seen, too_big
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    too_big = True
+                    raise _TooLarge()
+            return message
+
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await _send_json(send, 413, f"request body exceeds the limit of {self.limit} bytes")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_json(send, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _validation_detail(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+async def _reaper(state: EmberState) -> None:
+    """Ends idle sessions, deletes expired checkpoints and old futures."""
+    cfg = state.config
+    while True:
+        try:
+            expired = await asyncio.to_thread(state.store.expire_idle_sessions, cfg.session_timeout_s)
+            for sid in expired:
+                log.info("session expired", extra={"session_id": sid})
+            for ckpt in await asyncio.to_thread(state.store.expired_checkpoints):
+                if await asyncio.to_thread(state.store.delete_checkpoint, ckpt.tinker_path, None):
+                    await asyncio.to_thread(state.storage.delete, ckpt.uri)
+                    log.info("checkpoint expired", extra={"tinker_path": ckpt.tinker_path})
+            await asyncio.to_thread(state.store.purge_futures, cfg.future_retention_s)
+        except Exception:  # noqa: BLE001 - keep reaping after a transient database error
+            log.exception("reaper pass failed")
+        await asyncio.sleep(cfg.reaper_interval_s)
+
+
+def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
+    """The API application for ``config`` (the store is opened and migrated unless given)."""
+    from ember.server.routes import futures, rest, sampling, service, training
+
+    store = store or Store.open(config.database_url)
+    state = EmberState(
+        config=config,
+        store=store,
+        storage=Storage(config.storage),
+        auth=Authenticator(store, config.auth),
+        waiter=FutureWaiter(store),
+        secret=store.setting("url_signing_secret", lambda: secrets.token_hex(32)),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_reaper(state))
+        yield
+        task.cancel()
+
+    app = FastAPI(title="Ember (Tinker-compatible API)", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ember = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_request: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": _validation_detail(exc)}, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_request: Request, exc: StarletteHTTPException):
+        detail = exc.detail if exc.detail else "error"
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, exc: Exception):
+        log.exception("unhandled error", extra={"path": request.url.path})
+        return JSONResponse({"detail": f"internal server error: {type(exc).__name__}: {exc}"}, status_code=500)
+
+    @app.middleware("http")
+    async def _access_log(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        seconds = time.perf_counter() - t0
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.observe_request(request.method, path, response.status_code, seconds)
+        log.info(
+            "request",
+            extra={"method": request.method, "path": request.url.path, "status": response.status_code,
+                   "ms": round(seconds * 1000, 2), "sdk_method": request.headers.get("x-sdk-method")},
+        )
+        return response
+
+    for module in (service, training, futures, sampling, rest):
+        app.include_router(module.router)
+    app.include_router(metrics.router)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    return app

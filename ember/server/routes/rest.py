@@ -1,0 +1,224 @@
+"""REST endpoints of ``RestClient``: training runs, checkpoints (list, delete, publish, TTL,
+download URLs), weights_info and sessions; plus the signed download route itself."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+
+from ember.server.auth import require_owner
+from ember.server.errors import ApiError, bad_request, not_found
+from ember.server.routes.common import (
+    KINDS,
+    check_name,
+    checkpoint_json,
+    ember,
+    expiry,
+    iso,
+    parse_tinker_path,
+    str_metadata,
+    tinker_path,
+)
+from ember.server.routes.training import tinker_lora
+from ember.server.wire import schemas
+from ember.storage import sign_token, verify_token
+from ember.store.models import TrainingModel
+
+router = APIRouter(prefix="/api/v1")
+
+
+def _training_run(st, m: TrainingModel) -> dict:
+    ckpts, _ = st.store.list_checkpoints(m.owner, model_id=m.id)
+    last = next((c for c in ckpts if c.kind == "training"), None)
+    last_sampler = next((c for c in ckpts if c.kind == "sampler"), None)
+    return {
+        "training_run_id": m.id,
+        "base_model": m.base_model,
+        "model_owner": m.owner,
+        "is_lora": True,
+        "corrupted": m.status == "failed",
+        "lora_rank": m.lora["rank"],
+        "last_request_time": iso(m.last_request_time),
+        "last_checkpoint": checkpoint_json(last) if last else None,
+        "last_sampler_checkpoint": checkpoint_json(last_sampler) if last_sampler else None,
+        "user_metadata": str_metadata(m.user_metadata) or {},
+    }
+
+
+def _owned_run(st, owner: str, run_id: str) -> TrainingModel:
+    m = st.store.get_model(run_id, owner)
+    if m is None:
+        raise not_found(f"training run {run_id!r}")
+    return m
+
+
+@router.get("/training_runs")
+def list_training_runs(
+    request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0),
+    owner: str = Depends(require_owner),
+) -> dict:
+    st = ember(request)
+    rows, total = st.store.list_models(owner, limit, offset)
+    return {"training_runs": [_training_run(st, m) for m in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+@router.get("/training_runs/{run_id}")
+def get_training_run(run_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    return _training_run(st, _owned_run(st, owner, run_id))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+def list_run_checkpoints(run_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    _owned_run(st, owner, run_id)
+    rows, _ = st.store.list_checkpoints(owner, model_id=run_id)
+    return {"checkpoints": [checkpoint_json(c) for c in rows]}
+
+
+@router.get("/checkpoints")
+def list_user_checkpoints(
+    request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0),
+    owner: str = Depends(require_owner),
+) -> dict:
+    rows, total = ember(request).store.list_checkpoints(owner, limit=limit, offset=offset)
+    return {"checkpoints": [checkpoint_json(c) for c in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+def _path_of(run_id: str, checkpoint_id: str) -> str:
+    """``{kind segment}/{name}`` of a route -> the tinker path (400 if malformed)."""
+    segment, _, name = checkpoint_id.partition("/")
+    if segment not in KINDS or not name:
+        raise bad_request(f"checkpoint id {checkpoint_id!r} must be <weights|sampler_weights|external_weights>/<name>")
+    check_name(name, "checkpoint name")
+    return tinker_path(run_id, KINDS[segment], name)
+
+
+def _owned_checkpoint(st, owner: str, run_id: str, checkpoint_id: str):
+    path = _path_of(run_id, checkpoint_id)
+    ckpt = st.store.get_checkpoint(path, owner)
+    if ckpt is None or ckpt.state != "ready":
+        raise not_found(f"checkpoint {path!r}")
+    return ckpt
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+def publish(run_id: str, checkpoint_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    path = _owned_checkpoint(st, owner, run_id, checkpoint_id).tinker_path
+    st.store.update_checkpoint(path, owner, public=True)
+    return {}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+def unpublish(run_id: str, checkpoint_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    if "/" not in checkpoint_id:  # DELETE .../checkpoints/weights/publish: a checkpoint named "publish"
+        return delete_checkpoint(run_id, f"{checkpoint_id}/publish", request, owner)
+    st = ember(request)
+    path = _owned_checkpoint(st, owner, run_id, checkpoint_id).tinker_path
+    st.store.update_checkpoint(path, owner, public=False)
+    return {}
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+def set_ttl(
+    run_id: str, checkpoint_id: str, body: schemas.CheckpointTtlRequest, request: Request,
+    owner: str = Depends(require_owner),
+) -> dict:
+    st = ember(request)
+    path = _owned_checkpoint(st, owner, run_id, checkpoint_id).tinker_path
+    st.store.update_checkpoint(path, owner, expires_at=expiry(body.ttl_seconds))
+    return {}
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Self-authorising URLs for every file of an external export (spec §4 "Download")."""
+    st = ember(request)
+    ckpt = _owned_checkpoint(st, owner, run_id, checkpoint_id)
+    if ckpt.kind != "external":
+        raise bad_request(f"{ckpt.tinker_path} is not an external_weights checkpoint; export one with save_weights_external")
+    expires = time.time() + st.config.download_url_ttl_s
+    if ckpt.expires_at is not None:
+        expires = min(expires, ckpt.expires_at.replace(tzinfo=UTC).timestamp())
+    base = (st.config.public_url or str(request.base_url)).rstrip("/")
+    urls = {}
+    for name, _size in st.storage.list_files(ckpt.uri):
+        token = sign_token(st.secret, {"p": ckpt.tinker_path, "f": name}, expires)
+        urls[name] = f"{base}/api/v1/download/{token}"
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+@router.get("/download/{token}")
+def download(token: str, request: Request):
+    """A file of an external export, for whoever holds a valid signed token (no API key)."""
+    st = ember(request)
+    try:
+        claims = verify_token(st.secret, token)
+    except ValueError as e:
+        raise ApiError(403, str(e)) from None
+    ckpt = st.store.get_checkpoint(claims["p"], None)
+    if ckpt is None or ckpt.state != "ready":
+        raise not_found("checkpoint")
+    name = claims["f"]
+    files = dict(st.storage.list_files(ckpt.uri))
+    if name not in files:
+        raise not_found(f"file {name!r}")
+    handle = st.storage.open_file(ckpt.uri, name)
+
+    def chunks():
+        with handle:
+            while block := handle.read(1 << 20):
+                yield block
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream",
+                             headers={"content-length": str(files[name]),
+                                      "content-disposition": f'attachment; filename="{name}"'})
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    path = _path_of(run_id, checkpoint_id)
+    ckpt = st.store.delete_checkpoint(path, owner)
+    if ckpt is None:
+        raise not_found(f"checkpoint {path!r}")
+    st.storage.delete(ckpt.uri)
+    return {}
+
+
+@router.post("/weights_info")
+def weights_info(body: schemas.WeightsInfoRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    parse_tinker_path(body.tinker_path)
+    ckpt = st.store.get_checkpoint(body.tinker_path, owner, allow_public=True)
+    if ckpt is None or ckpt.state != "ready":
+        raise not_found(f"checkpoint {body.tinker_path!r}")
+    lora = tinker_lora(ckpt.lora)
+    return {"base_model": ckpt.base_model, "is_lora": True, "lora_rank": lora["rank"],
+            "train_attn": lora["train_attn"], "train_mlp": lora["train_mlp"], "train_unembed": lora["train_unembed"],
+            "optimizer_config": ckpt.optimizer_config}
+
+
+@router.get("/sessions")
+def list_sessions(
+    request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0),
+    owner: str = Depends(require_owner),
+) -> dict:
+    return {"sessions": [s.id for s in ember(request).store.list_sessions(owner, limit, offset)]}
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    row = st.store.get_session(session_id, owner)
+    if row is None:
+        raise not_found(f"session {session_id!r}")
+    runs, samplers = st.store.session_children(session_id)
+    return {"training_run_ids": runs, "sampler_ids": samplers,
+            "user_metadata": str_metadata(row.user_metadata), "display_name": row.display_name}

@@ -1,0 +1,271 @@
+"""Training endpoints: create_model, get_info, forward_backward (protobuf), optim_step, checkpoints
+(save_weights, save_weights_for_sampler, save_weights_external) and load_weights.
+
+Every submit answers ``{"request_id", "model_id"}`` at once; the work is a future the engine runs
+in the model's ``seq_id`` order."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+
+from ember.server.auth import require_owner
+from ember.server.errors import ApiError, bad_request, not_implemented
+from ember.server.routes.common import (
+    active_session,
+    check_name,
+    ember,
+    expiry,
+    live_model,
+    readable_checkpoint,
+    reject,
+    served_model,
+    submit,
+    tinker_path,
+)
+from ember.server.wire import schemas
+from ember.server.wire.training import WireError, decode_forward_backward, decompress_zstd, parse_forward_backward
+from ember.store.models import Checkpoint, TrainingModel
+from ember.store.payload import encode
+from ember.store.repo import utcnow
+
+router = APIRouter(prefix="/api/v1")
+
+LORA_ALPHA = 32.0  # Tinker does not send alpha; tinker-cookbook assumes 32 (spec §3.10)
+
+
+def _optimizer_config(config: dict | None) -> dict:
+    kind = (config or {}).get("type", "adamw")
+    if kind != "adamw":
+        raise bad_request(f"optimizer_config.type {kind!r} is not supported; Ember trains with 'adamw'")
+    return {"type": "adamw"}
+
+
+def _ember_lora(lora: schemas.LoraConfigBody, max_rank: int) -> dict:
+    """Tinker's LoraConfig -> Ember's (``rank``, ``alpha`` = 32, ``targets``, ``seed``)."""
+    if not 1 <= lora.rank <= max_rank:
+        raise bad_request(f"lora_config.rank={lora.rank} must be between 1 and {max_rank} (the server's --max-rank)")
+    targets = [name for name, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp), ("unembed", lora.train_unembed)) if on]
+    if not targets:
+        raise bad_request("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+    seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
+    return {"rank": lora.rank, "alpha": LORA_ALPHA, "targets": targets, "seed": int(seed)}
+
+
+def tinker_lora(lora: dict) -> dict:
+    """Ember's LoRA config -> Tinker's fields (``weights_info``)."""
+    targets = set(lora.get("targets", ()))
+    return {
+        "rank": lora["rank"], "seed": lora.get("seed"),
+        "train_attn": "attn" in targets, "train_mlp": "mlp" in targets, "train_unembed": "unembed" in targets,
+    }
+
+
+def _accepted(request_id: str, model_id: str) -> dict:
+    return {"request_id": request_id, "model_id": model_id}
+
+
+@router.post("/create_model")
+def create_model(body: schemas.CreateModelRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    active_session(st, owner, body.session_id)
+    served_model(st, body.base_model)
+    lora = _ember_lora(body.lora_config, st.config.max_rank)
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    rid = st.store.submit_model(
+        owner=owner, session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=body.base_model,
+        lora=lora, optimizer_config=_optimizer_config(body.optimizer_config), user_metadata=body.user_metadata or {},
+        op="create_model", payload=encode({"lora": lora}), reply={"model_id": model_id, "type": "create_model"},
+    )
+    return _accepted(rid, model_id)
+
+
+def info_json(st, model: TrainingModel) -> dict:
+    served = st.config.models.get(model.base_model)
+    return {
+        "type": "get_info",
+        "model_id": model.id,
+        "model_data": {
+            "arch": served.arch if served else None,
+            "model_name": model.base_model,
+            "tokenizer_id": str(served.path) if served else None,
+        },
+        "optimizer_config": model.optimizer_config,
+        "is_lora": True,
+        "lora_rank": model.lora["rank"],
+        "model_name": model.base_model,
+    }
+
+
+@router.post("/get_info")
+def get_info(body: schemas.GetInfoRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    model = st.store.get_model(body.model_id, owner)
+    if model is None:
+        raise ApiError(404, f"model {body.model_id!r} not found")
+    return info_json(st, model)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Protobuf ``ForwardBackwardRequest`` (optionally ``Content-Encoding: zstd``); ``forward()``
+    is the same call with ``forward_only``."""
+    st = ember(request)
+    ctype = request.headers.get("content-type", "")
+    if "application/x-protobuf" not in ctype:
+        raise bad_request(
+            f"forward_backward takes a protobuf body (Content-Type: application/x-protobuf, tinker>=0.25), got {ctype!r}"
+        )
+    body = await request.body()
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "zstd":
+        try:
+            body = await run_in_threadpool(decompress_zstd, body, st.config.max_body_bytes)
+        except OverflowError as e:
+            raise ApiError(413, str(e)) from None
+        except WireError as e:
+            raise bad_request(str(e)) from None
+    elif encoding not in ("", "identity"):
+        raise bad_request(f"Content-Encoding {encoding!r} is not supported (use zstd or none)")
+    try:
+        msg = parse_forward_backward(body)
+    except WireError as e:
+        raise bad_request(str(e)) from None
+    return await run_in_threadpool(_submit_forward_backward, st, owner, msg)
+
+
+def _submit_forward_backward(st, owner: str, msg) -> dict:
+    model = live_model(st, owner, msg.model_id)
+    if msg.seq_id < 1:
+        raise bad_request(f"seq_id must be >= 1, got {msg.seq_id}")
+    try:
+        decoded = decode_forward_backward(msg, st.config.models[model.base_model].limits)
+    except WireError as e:
+        raise reject(st, owner, model, "forward_backward", msg.seq_id, str(e)) from None
+    rid = submit(
+        st, owner=owner, base_model=model.base_model, op="forward_backward", payload=encode(decoded.payload),
+        model_id=model.id, seq_id=decoded.seq_id, n_tokens=decoded.n_tokens, reply={"proto": "forward_backward"},
+    )
+    return _accepted(rid, model.id)
+
+
+@router.post("/optim_step")
+def optim_step(body: schemas.OptimStepRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    model = live_model(st, owner, body.model_id)
+    params = body.adam_params.model_dump() if body.adam_params else (body.optim_params or body.optimizer_params)
+    if params is None:
+        raise reject(st, owner, model, "optim_step", body.seq_id, "optim_step needs adam_params")
+    if params.get("type") not in (None, "adam", "adamw"):
+        raise reject(st, owner, model, "optim_step", body.seq_id, f"optimizer params of type {params['type']!r} are not supported; use AdamParams")
+    try:
+        adam = schemas.AdamParamsBody.model_validate(params).model_dump(exclude={"type"})
+    except ValueError as e:
+        raise reject(st, owner, model, "optim_step", body.seq_id, f"invalid adam_params: {e}") from None
+    rid = submit(
+        st, owner=owner, base_model=model.base_model, op="optim_step", payload=encode({"adam": adam}),
+        model_id=model.id, seq_id=body.seq_id, reply={"type": "optim_step", "result_keys": ["metrics"]},
+    )
+    return _accepted(rid, model.id)
+
+
+def _save(st, owner: str, model: TrainingModel, seq_id: int, kind: str, name: str, *, ttl: int | None,
+          user_metadata: dict | None, overwrite: bool, reply_type: str, op: str = "save_weights",
+          extra: dict | None = None) -> dict:
+    path = tinker_path(model.id, kind, name)
+    uri = st.storage.uri_for(owner, model.id, kind, name)
+    ckpt = Checkpoint(
+        tinker_path=path, owner=owner, model_id=model.id, kind=kind, name=name, uri=uri, state="pending",
+        base_model=model.base_model, lora=model.lora, optimizer_config=model.optimizer_config,
+        user_metadata=user_metadata, created_at=utcnow(), expires_at=expiry(ttl),
+        encrypted=bool((extra or {}).get("recipients")), public=False,
+    )
+    payload = {"uri": uri, "tinker_path": path, "with_optimizer": kind == "training",
+               "metadata": {"tinker_path": path, "base_model_name": model.base_model}, **(extra or {})}
+    reply = {"path": path, "type": reply_type}
+    if kind == "external":
+        reply["result_keys"] = ["size_bytes"]
+    rid = submit(
+        st, owner=owner, base_model=model.base_model, op=op, payload=encode(payload), model_id=model.id,
+        seq_id=seq_id, checkpoint=ckpt, overwrite=overwrite, reply=reply,
+    )
+    return _accepted(rid, model.id)
+
+
+@router.post("/save_weights")
+def save_weights(body: schemas.SaveWeightsRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    st = ember(request)
+    model = live_model(st, owner, body.model_id)
+    return _save(st, owner, model, body.seq_id, "training", check_name(body.path), ttl=body.ttl_seconds,
+                 user_metadata=body.user_metadata, overwrite=body.overwrite, reply_type="save_weights")
+
+
+@router.post("/save_weights_for_sampler")
+def save_weights_for_sampler(
+    body: schemas.SaveWeightsForSamplerRequest, request: Request, owner: str = Depends(require_owner)
+) -> dict:
+    st = ember(request)
+    model = live_model(st, owner, body.model_id)
+    if body.path is not None:
+        return _save(st, owner, model, body.seq_id, "sampler", check_name(body.path), ttl=body.ttl_seconds,
+                     user_metadata=body.user_metadata, overwrite=False, reply_type="save_weights_for_sampler")
+    raise not_implemented(
+        "save_weights_and_get_sampling_client needs sampling, which this Ember build does not provide yet"
+    )
+
+
+@router.post("/save_weights_external")
+def save_weights_external(
+    body: schemas.SaveWeightsExternalRequest, request: Request, owner: str = Depends(require_owner)
+) -> dict:
+    st = ember(request)
+    model = live_model(st, owner, body.model_id)
+    recipients = body.age_encryption_recipients or []
+    if len(recipients) > 10:
+        raise bad_request(f"age_encryption_recipients: at most 10 recipients, got {len(recipients)}")
+    for r in recipients:
+        if not (r.startswith("age1") or r.startswith("ssh-")):
+            raise bad_request(f"age_encryption_recipients: {r[:24]!r} is neither an age1… key nor an SSH public key")
+    return _save(st, owner, model, body.seq_id, "external", check_name(body.path), ttl=body.ttl_seconds,
+                 user_metadata=None, overwrite=True, reply_type="save_weights_external", op="save_external",
+                 extra={"recipients": recipients, "base_model": model.base_model})
+
+
+@router.post("/load_weights")
+def load_weights(body: schemas.LoadWeightsRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Create a model from a checkpoint (``session_id`` + ``model_seq_id``) or, for the deprecated
+    ``TrainingClient.load_state``, replace a model's weights in place (``model_id`` + ``seq_id``)."""
+    st = ember(request)
+    ckpt = readable_checkpoint(st, owner, body.path)
+    if ckpt.kind == "external":
+        raise bad_request(f"{body.path} is an external export; load a weights/ or sampler_weights/ checkpoint")
+    if body.optimizer and ckpt.kind != "training":
+        raise bad_request(f"{body.path} has no optimizer state (only weights/ checkpoints from save_state do)")
+    payload = encode({"uri": ckpt.uri, "with_optimizer": body.optimizer, "source_path": body.path})
+    if body.model_id is not None:
+        model = live_model(st, owner, body.model_id)
+        if body.seq_id is None:
+            raise bad_request("load_weights with model_id needs seq_id")
+        if ckpt.base_model != model.base_model:
+            raise reject(st, owner, model, "load_weights", body.seq_id,
+                         f"{body.path} is for base model {ckpt.base_model}, not {model.base_model}")
+        rid = submit(st, owner=owner, base_model=model.base_model, op="load_weights", payload=payload,
+                     model_id=model.id, seq_id=body.seq_id, reply={"path": body.path, "type": "load_weights"})
+        return _accepted(rid, model.id)
+    if body.session_id is None or body.model_seq_id is None:
+        raise bad_request("load_weights needs session_id and model_seq_id (or model_id and seq_id)")
+    active_session(st, owner, body.session_id)
+    if body.base_model is not None and body.base_model != ckpt.base_model:
+        raise bad_request(f"{body.path} was trained on {ckpt.base_model!r}, not {body.base_model!r}")
+    served_model(st, ckpt.base_model)
+    optimizer = ckpt.optimizer_config if body.optimizer else _optimizer_config(body.optimizer_config)
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    rid = st.store.submit_model(
+        owner=owner, session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=ckpt.base_model,
+        lora=ckpt.lora, optimizer_config=optimizer, user_metadata=body.user_metadata or {}, op="load_model",
+        payload=payload, reply={"model_id": model_id, "path": body.path, "type": "load_weights"},
+    )
+    return _accepted(rid, model_id)
+

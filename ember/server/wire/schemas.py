@@ -1,0 +1,166 @@
+"""JSON request bodies of the Tinker API (spec §2.1), as the SDK 0.38 sends them.
+
+Unknown fields are ignored (clients send ``type`` literals and fields other servers understand).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ClientConfigRequest(_Body):
+    sdk_version: str | None = None
+
+
+class CreateSessionRequest(_Body):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionHeartbeatRequest(_Body):
+    session_id: str
+
+
+class FinishSessionRequest(_Body):
+    reason: dict[str, Any] | None = None
+    detail: str | None = None
+
+
+class LoraConfigBody(_Body):
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelRequest(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfigBody = Field(default_factory=LoraConfigBody)
+    optimizer_config: dict[str, Any] | None = None
+
+
+class GetInfoRequest(_Body):
+    model_id: str
+
+
+class AdamParamsBody(_Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    type: str | None = None
+
+
+class OptimStepRequest(_Body):
+    model_id: str
+    seq_id: int
+    adam_params: AdamParamsBody | None = None
+    optim_params: dict[str, Any] | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsRequest(_Body):
+    model_id: str
+    path: str
+    seq_id: int
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, Any] | None = None
+
+
+class SaveWeightsForSamplerRequest(_Body):
+    model_id: str
+    seq_id: int
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class SaveWeightsExternalRequest(_Body):
+    model_id: str
+    path: str
+    seq_id: int
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
+class LoadWeightsRequest(_Body):
+    path: str
+    optimizer: bool = False
+    # create-from-state (ServiceClient): session_id + model_seq_id
+    session_id: str | None = None
+    model_seq_id: int | None = Field(default=None, ge=0)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    # legacy in-place load (TrainingClient.load_state): model_id + seq_id
+    model_id: str | None = None
+    seq_id: int | None = None
+    weights_access_token: str | None = None
+
+
+class CreateSamplingSessionRequest(_Body):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class RetrieveFutureRequest(_Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class WeightsInfoRequest(_Body):
+    tinker_path: str
+
+
+class CheckpointTtlRequest(_Body):
+    ttl_seconds: int | None = None
+
+
+class ModelInputBody(_Body):
+    chunks: list[dict[str, Any]]
+
+
+class SamplingParamsBody(_Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class SampleRequest(_Body):
+    num_samples: int = 1
+    prompt: ModelInputBody
+    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool | None = None
+    prompt_logprobs_last_n: int | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    record_stability_info: bool = False

@@ -1,0 +1,205 @@
+"""Training wire codec: Tinker's protobuf ``ForwardBackwardRequest`` -> Ember's internal request
+(validated), and internal results -> protobuf ``ForwardBackwardOutput`` (spec §3.2-3.6)."""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.lossdefs import LOSS_SPECS, resolve_loss_config
+from ember.server.wire import tinker_proto as pb
+
+FLOAT_INPUTS = ("weights", "logprobs", "advantages", "clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask")
+_NP_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32, pb.DTYPE_BFLOAT16: np.uint16}
+
+
+class WireError(ValueError):
+    """A malformed or invalid request; the message names the field (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the API checks requests against: vocabulary size and longest sequence."""
+
+    vocab_size: int
+    max_seq_len: int
+
+
+@dataclass
+class DecodedForwardBackward:
+    model_id: str
+    seq_id: int
+    forward_only: bool
+    loss_fn: str
+    payload: dict  # internal request (ember.store.payload-encodable)
+    n_tokens: int
+
+
+def decompress_zstd(body: bytes, limit: int) -> bytes:
+    """Decode a ``Content-Encoding: zstd`` body, refusing more than ``limit`` bytes of output."""
+    import zstandard
+
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+            out = reader.read(limit + 1)
+    except zstandard.ZstdError as e:
+        raise WireError(f"body is not valid zstd: {e}") from None
+    if len(out) > limit:
+        raise OverflowError(f"decompressed body exceeds {limit} bytes")
+    return out
+
+
+def parse_forward_backward(body: bytes) -> object:
+    """The protobuf message, or ``WireError``."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise WireError(f"malformed protobuf ForwardBackwardRequest: {e}") from None
+    return msg
+
+
+def _tensor(t, where: str) -> np.ndarray:
+    dtype = _NP_DTYPES.get(t.dtype)
+    if dtype is None:
+        raise WireError(f"{where}: unsupported dtype enum {t.dtype}; use float32 or int64")
+    shape = [int(s) for s in t.shape]
+    try:
+        if t.HasField("sparse_csr"):
+            if len(shape) != 2:
+                raise WireError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+            values = np.frombuffer(t.sparse_csr.values, dtype=dtype)
+            crow = np.frombuffer(t.sparse_csr.crow_indices, dtype=np.int64)
+            col = np.frombuffer(t.sparse_csr.col_indices, dtype=np.int64)
+            rows, cols = shape
+            if crow.size != rows + 1 or col.size != values.size or (col.size and (col.min() < 0 or col.max() >= cols)):
+                raise WireError(f"{where}: inconsistent sparse CSR indices for shape {shape}")
+            if crow[0] != 0 or crow[-1] != values.size or np.any(np.diff(crow) < 0):
+                raise WireError(f"{where}: sparse CSR row offsets are not monotone from 0 to nnz")
+            dense = np.zeros(shape, dtype=dtype)
+            row_of = np.repeat(np.arange(rows), np.diff(crow))
+            dense[row_of, col] = values
+            arr = dense
+        else:
+            arr = np.frombuffer(t.dense, dtype=dtype)
+            if shape:
+                if int(np.prod(shape)) != arr.size:
+                    raise WireError(f"{where}: {arr.size} values do not fill shape {shape}")
+                arr = arr.reshape(shape)
+    except ValueError as e:
+        if isinstance(e, WireError):
+            raise
+        raise WireError(f"{where}: bad tensor bytes ({e})") from None
+    if t.dtype == pb.DTYPE_BFLOAT16:
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr
+
+
+def _loss_config(msg) -> dict[str, float | str]:
+    if len(msg.loss_fn_config_v2):
+        out: dict[str, float | str] = {}
+        for k, v in msg.loss_fn_config_v2.items():
+            out[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+        return out
+    return {k: float(v) for k, v in msg.loss_fn_config.items()}
+
+
+def decode_forward_backward(msg, limits: ModelLimits) -> DecodedForwardBackward:
+    """Validate a ``ForwardBackwardRequest`` and turn it into Ember's internal request."""
+    loss_fn = msg.loss_fn
+    if loss_fn not in LOSS_SPECS:
+        raise WireError(f"loss_fn {loss_fn!r} is not supported; supported: {sorted(LOSS_SPECS)}")
+    raw_config = _loss_config(msg)
+    numeric = {}
+    for k, v in raw_config.items():
+        if isinstance(v, str):
+            raise WireError(f"loss_fn_config[{k!r}] must be a number for loss_fn {loss_fn!r}, got text {v!r}")
+        if not math.isfinite(v):
+            raise WireError(f"loss_fn_config[{k!r}] must be finite, got {v}")
+        numeric[k] = v
+    try:
+        config = resolve_loss_config(loss_fn, numeric)
+    except ValueError as e:
+        raise WireError(str(e)) from None
+    if not msg.data:
+        raise WireError("forward_backward needs at least one datum")
+    spec = LOSS_SPECS[loss_fn]
+    datums, n_tokens = [], 0
+    for i, d in enumerate(msg.data):
+        where = f"data[{i}]"
+        parts = []
+        for j, chunk in enumerate(d.model_input):
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise WireError(f"{where}.model_input[{j}]: {kind} chunks are not supported; this model takes text tokens")
+            if len(chunk.encoded_text.tokens) % 4:
+                raise WireError(f"{where}.model_input[{j}]: token bytes are not a whole number of int32")
+            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+        tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        n = tokens.size
+        if n == 0:
+            raise WireError(f"{where}: model_input is empty")
+        if n > limits.max_seq_len:
+            raise WireError(f"{where}: {n} tokens exceed the model's maximum sequence length {limits.max_seq_len}")
+        if tokens.min() < 0 or tokens.max() >= limits.vocab_size:
+            raise WireError(
+                f"{where}: token ids must be in [0, {limits.vocab_size}), got {int(tokens.min())}..{int(tokens.max())}"
+            )
+        inputs = {name: _tensor(t, f"{where}.loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
+        missing = [k for k in spec.inputs if k not in inputs]
+        if missing:
+            raise WireError(f"{where}: loss_fn {loss_fn!r} needs loss_fn_inputs {missing}, got {sorted(inputs)}")
+        targets = inputs["target_tokens"]
+        if targets.dtype.kind not in "iu":
+            raise WireError(f"{where}: target_tokens must be int64, got {targets.dtype}")
+        allowed = (1, 2) if spec.allows_2d_targets else (1,)
+        if targets.ndim not in allowed or targets.shape[0] != n:
+            want = "[N] or [N, K]" if spec.allows_2d_targets else "[N]"
+            raise WireError(f"{where}: target_tokens shape {list(targets.shape)} must be {want} with N={n} (model_input length)")
+        if targets.size == 0 or targets.min() < 0 or targets.max() >= limits.vocab_size:
+            raise WireError(f"{where}: target_tokens must be in [0, {limits.vocab_size})")
+        loss_inputs = {"target_tokens": targets.astype(np.int64)}
+        for key in (*spec.inputs, *spec.optional_inputs):
+            if key == "target_tokens" or key not in inputs:
+                continue
+            arr = inputs[key]
+            if arr.dtype.kind != "f":
+                raise WireError(f"{where}: {key} must be float32, got {arr.dtype}")
+            if arr.shape != targets.shape:
+                raise WireError(f"{where}: {key} shape {list(arr.shape)} must equal target_tokens shape {list(targets.shape)}")
+            if not np.all(np.isfinite(arr)):
+                raise WireError(f"{where}: {key} must hold finite numbers")
+            loss_inputs[key] = arr.astype(np.float32)
+        datums.append({"tokens": tokens, "loss_inputs": loss_inputs})
+        n_tokens += n
+    payload = {"loss_fn": loss_fn, "loss_config": config, "forward_only": bool(msg.forward_only), "datums": datums}
+    return DecodedForwardBackward(msg.model_id, int(msg.seq_id), bool(msg.forward_only), loss_fn, payload, n_tokens)
+
+
+def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:
+    """``ForwardBackwardOutput``: per-datum ``logprobs`` (one ArrayRecord per run of datums with the
+    same trailing shape, so 1-D and ``[N, K]`` outputs can mix) and ``name:reduction`` metrics."""
+    out = pb.ForwardBackwardOutput()
+    out.loss_fn_output_type = "ArrayRecord"
+    for k, v in metrics.items():
+        out.metrics[k] = float(v)
+    runs: list[list[np.ndarray]] = []
+    for lp in logprobs:
+        lp = np.asarray(lp, dtype="<f4")
+        if runs and runs[-1][0].shape[1:] == lp.shape[1:]:
+            runs[-1].append(lp)
+        else:
+            runs.append([lp])
+    for run in runs:
+        rec = out.loss_fn_outputs.add()
+        rec.num_datums = len(run)
+        field = rec.fields["logprobs"]
+        field.dtype = pb.DTYPE_FLOAT32
+        field.trailing_shape.extend(run[0].shape[1:])
+        offsets = np.cumsum([0] + [a.nbytes for a in run]).astype("<i8")
+        field.data = b"".join(a.tobytes() for a in run)
+        field.offsets = offsets.tobytes()
+    return out.SerializeToString()

@@ -1,0 +1,665 @@
+"""``Store``: every read and write of Ember's state, in short transactions.
+
+The API process and the engine processes share one database. Submits are idempotent on
+``(model_id, seq_id)`` / ``(sampler_id, seq_id)``: a resubmission returns the original request id.
+Each model's execution cursor (``models.next_seq``) moves in the same transaction that completes the
+request it ran, so a crash never leaves a result without its cursor step or the reverse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.orm import sessionmaker
+
+from ember.store.db import connect, migrate, writer
+from ember.store.models import (
+    ApiKey,
+    Checkpoint,
+    EngineRecord,
+    Future,
+    SamplingSession,
+    Session,
+    Setting,
+    TrainingModel,
+)
+
+KEY_PREFIX = "tml-"
+NO_AUTH_OWNER = "local"
+
+
+def utcnow() -> datetime:
+    """Naive UTC now (the store's time convention)."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Conflict(ValueError):
+    """A request that contradicts stored state (reported as a 4xx with the message, never 409)."""
+
+
+class Gone(ValueError):
+    """The object existed but has ended (finished session, unloaded or lost model): HTTP 410."""
+
+
+@dataclass(frozen=True)
+class PendingFuture:
+    """What the engine's scheduler needs to know about a queued request (no payload)."""
+
+    id: str
+    op: str
+    model_id: str | None
+    sampler_id: str | None
+    seq_id: int | None
+    n_tokens: int
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ModelCursor:
+    next_seq: int
+    status: str
+
+
+class Store:
+    """Repository over Ember's tables (see :mod:`ember.store.models`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._read = sessionmaker(engine, expire_on_commit=False)
+        self._write = sessionmaker(writer(engine), expire_on_commit=False)
+        # SQLite takes one writer at a time; threads of this process queue here instead of in
+        # SQLite's busy handler, whose sleeps (up to 100 ms) collapse throughput under contention.
+        self._write_lock = threading.Lock() if engine.dialect.name == "sqlite" else nullcontext()
+
+    @classmethod
+    def open(cls, url: str, pool_size: int = 10, run_migrations: bool = True) -> Store:
+        """Connect to ``url`` and (by default) migrate the schema to the newest revision."""
+        engine = connect(url, pool_size)
+        if run_migrations:
+            migrate(engine)
+        return cls(engine)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @contextmanager
+    def read(self) -> Iterator[OrmSession]:
+        with self._read() as s:
+            yield s
+
+    @contextmanager
+    def write(self) -> Iterator[OrmSession]:
+        """A write transaction: committed on success, rolled back on error."""
+        with self._write_lock, self._write.begin() as s:
+            yield s
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- settings ---------------------------------------------------------------------------------
+
+    def setting(self, key: str, make: Callable[[], str]) -> str:
+        """The stored value of ``key``; created with ``make()`` on first use (race-safe)."""
+        with self.read() as s:
+            row = s.get(Setting, key)
+            if row is not None:
+                return row.value
+        try:
+            with self.write() as s:
+                s.add(Setting(key=key, value=make()))
+        except IntegrityError:
+            pass
+        with self.read() as s:
+            return s.get(Setting, key).value  # type: ignore[union-attr]
+
+    # -- API keys ---------------------------------------------------------------------------------
+
+    def create_api_key(self, name: str = "") -> tuple[str, str]:
+        """A new key: returns ``(key_id, key)``; only the key's hash is stored."""
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = "key-" + secrets.token_hex(6)
+        with self.write() as s:
+            s.add(ApiKey(id=key_id, name=name, key_hash=hash_key(key), created_at=utcnow()))
+        return key_id, key
+
+    def owner_of_key(self, key: str) -> str | None:
+        """The key id owning ``key``, or ``None`` if unknown or revoked."""
+        with self.read() as s:
+            row = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+            return row.id if row is not None and row.revoked_at is None else None
+
+    def list_api_keys(self) -> list[ApiKey]:
+        with self.read() as s:
+            return list(s.scalars(select(ApiKey).order_by(ApiKey.created_at)))
+
+    def revoke_api_key(self, key_id: str) -> bool:
+        with self.write() as s:
+            row = s.get(ApiKey, key_id)
+            if row is None or row.revoked_at is not None:
+                return False
+            row.revoked_at = utcnow()
+            return True
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    def create_session(
+        self, owner: str, display_name: str | None, tags: list, user_metadata: dict, sdk_version: str | None
+    ) -> str:
+        sid = str(uuid.uuid4())
+        now = utcnow()
+        with self.write() as s:
+            s.add(
+                Session(
+                    id=sid,
+                    owner=owner,
+                    display_name=display_name,
+                    tags=list(tags),
+                    user_metadata=dict(user_metadata),
+                    sdk_version=sdk_version,
+                    created_at=now,
+                    last_heartbeat=now,
+                )
+            )
+        return sid
+
+    def get_session(self, session_id: str, owner: str) -> Session | None:
+        with self.read() as s:
+            row = s.get(Session, session_id)
+            return row if row is not None and row.owner == owner else None
+
+    def active_session(self, session_id: str, owner: str) -> Session:
+        """The owner's active session; ``KeyError`` if unknown, ``Gone`` if ended."""
+        row = self.get_session(session_id, owner)
+        if row is None:
+            raise KeyError(f"session {session_id!r} not found")
+        if row.status != "active":
+            raise Gone(f"session {session_id!r} is {row.status} ({row.end_reason}); start a new ServiceClient")
+        return row
+
+    def heartbeat(self, session_id: str, owner: str) -> str:
+        """Record a heartbeat; returns the session's status (``KeyError`` if unknown)."""
+        with self.write() as s:
+            row = s.get(Session, session_id)
+            if row is None or row.owner != owner:
+                raise KeyError(f"session {session_id!r} not found")
+            if row.status == "active":
+                row.last_heartbeat = utcnow()
+            return row.status
+
+    def end_session(self, session_id: str, status: str, reason: str) -> list[str]:
+        """Finish or expire a session and queue unloads for its models; returns their ids."""
+        with self.write() as s:
+            row = s.get(Session, session_id)
+            if row is None or row.status != "active":
+                return []
+            row.status, row.end_reason, row.ended_at = status, reason, utcnow()
+            models = list(
+                s.scalars(
+                    select(TrainingModel).where(
+                        TrainingModel.session_id == session_id, TrainingModel.status.in_(("creating", "active"))
+                    )
+                )
+            )
+            for m in models:
+                self._queue_unload(s, m, f"session {session_id} {status}: {reason}")
+            return [m.id for m in models]
+
+    def expire_idle_sessions(self, timeout_s: float) -> list[str]:
+        """End sessions whose last heartbeat is older than ``timeout_s``; returns their ids."""
+        cutoff = utcnow() - timedelta(seconds=timeout_s)
+        with self.read() as s:
+            ids = list(s.scalars(select(Session.id).where(Session.status == "active", Session.last_heartbeat < cutoff)))
+        for sid in ids:
+            self.end_session(sid, "expired", f"no heartbeat for {timeout_s:g} s")
+        return ids
+
+    def list_sessions(self, owner: str, limit: int, offset: int) -> list[Session]:
+        with self.read() as s:
+            q = select(Session).where(Session.owner == owner).order_by(Session.created_at.desc(), Session.id)
+            return list(s.scalars(q.limit(limit).offset(offset)))
+
+    def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
+        """``(training run ids, sampler ids)`` of a session."""
+        with self.read() as s:
+            runs = s.scalars(select(TrainingModel.id).where(TrainingModel.session_id == session_id))
+            samplers = s.scalars(select(SamplingSession.id).where(SamplingSession.session_id == session_id))
+            return sorted(runs), sorted(samplers)
+
+    # -- models -----------------------------------------------------------------------------------
+
+    def get_model(self, model_id: str, owner: str | None) -> TrainingModel | None:
+        """The model if it exists and ``owner`` owns it (any owner when ``owner`` is None)."""
+        with self.read() as s:
+            row = s.get(TrainingModel, model_id)
+            return row if row is not None and (owner is None or row.owner == owner) else None
+
+    def submit_model(
+        self,
+        *,
+        owner: str,
+        session_id: str,
+        model_seq_id: int,
+        base_model: str,
+        lora: dict,
+        optimizer_config: dict,
+        user_metadata: dict,
+        op: str,
+        payload: bytes,
+        reply: dict | None = None,
+    ) -> str:
+        """Create model ``{session}:train:{n}`` and queue its creation (seq 0); idempotent."""
+        model_id = f"{session_id}:train:{model_seq_id}"
+        now = utcnow()
+        try:
+            with self.write() as s:
+                existing = s.get(TrainingModel, model_id)
+                if existing is None:
+                    s.add(
+                        TrainingModel(
+                            id=model_id,
+                            session_id=session_id,
+                            owner=owner,
+                            base_model=base_model,
+                            lora=lora,
+                            optimizer_config=optimizer_config,
+                            user_metadata=user_metadata,
+                            status="creating",
+                            next_seq=0,
+                            created_at=now,
+                            last_request_time=now,
+                        )
+                    )
+                    s.flush()
+                    fid = self._new_future(s, owner, base_model, op, payload, model_id=model_id, seq_id=0, reply=reply)
+                    return fid
+        except IntegrityError:
+            pass
+        with self.read() as s:
+            fid = s.scalar(select(Future.id).where(Future.model_id == model_id, Future.seq_id == 0))
+        if fid is None:
+            raise Conflict(f"model {model_id} exists but has no creation request")
+        return fid
+
+    def list_models(self, owner: str, limit: int, offset: int) -> tuple[list[TrainingModel], int]:
+        with self.read() as s:
+            q = select(TrainingModel).where(TrainingModel.owner == owner)
+            total = s.scalar(select(func.count()).select_from(q.subquery())) or 0
+            rows = s.scalars(q.order_by(TrainingModel.created_at.desc(), TrainingModel.id).limit(limit).offset(offset))
+            return list(rows), total
+
+    def _queue_unload(self, s: OrmSession, m: TrainingModel, reason: str) -> None:
+        m.status, m.status_detail = "unloaded", reason
+        self._new_future(s, m.owner, m.base_model, "unload_model", None, model_id=m.id)
+
+    # -- futures ----------------------------------------------------------------------------------
+
+    def _new_future(
+        self,
+        s: OrmSession,
+        owner: str,
+        base_model: str,
+        op: str,
+        payload: bytes | None,
+        *,
+        model_id: str | None = None,
+        sampler_id: str | None = None,
+        seq_id: int | None = None,
+        n_tokens: int = 0,
+        state: str = "pending",
+        error: str | None = None,
+        reply: dict | None = None,
+    ) -> str:
+        fid = str(uuid.uuid4())
+        now = utcnow()
+        s.add(
+            Future(
+                id=fid,
+                owner=owner,
+                base_model=base_model,
+                op=op,
+                model_id=model_id,
+                sampler_id=sampler_id,
+                seq_id=seq_id,
+                n_tokens=n_tokens,
+                state=state,
+                payload=payload,
+                reply=reply,
+                error=error,
+                category="user" if error else None,
+                created_at=now,
+                finished_at=now if state in ("done", "failed") else None,
+            )
+        )
+        return fid
+
+    def _existing(self, model_id: str | None, sampler_id: str | None, seq_id: int) -> str | None:
+        with self.read() as s:
+            if model_id is not None:
+                q = select(Future.id).where(Future.model_id == model_id, Future.seq_id == seq_id)
+            else:
+                q = select(Future.id).where(Future.sampler_id == sampler_id, Future.seq_id == seq_id)
+            return s.scalar(q)
+
+    def submit(
+        self,
+        *,
+        owner: str,
+        base_model: str,
+        op: str,
+        payload: bytes | None,
+        model_id: str | None = None,
+        sampler_id: str | None = None,
+        seq_id: int | None = None,
+        n_tokens: int = 0,
+        rejected: str | None = None,
+        checkpoint: Checkpoint | None = None,
+        overwrite: bool = False,
+        reply: dict | None = None,
+    ) -> str:
+        """Queue a request and return its request id; a resubmission of ``(model, seq_id)`` or
+        ``(sampler, seq_id)`` returns the original id. ``rejected`` records a request that failed
+        validation: it still takes its seq_id, so the model's later requests are not held up.
+        ``checkpoint`` is registered (pending) in the same transaction, refusing a name clash
+        unless ``overwrite``."""
+        keyed = seq_id is not None and (model_id is not None or sampler_id is not None)
+        if keyed:
+            fid = self._existing(model_id, sampler_id, seq_id)  # type: ignore[arg-type]
+            if fid is not None:
+                return fid
+        try:
+            with self.write() as s:
+                if model_id is not None:
+                    m = s.get(TrainingModel, model_id)
+                    if m is not None:
+                        if seq_id is not None and seq_id < m.next_seq:
+                            raise Conflict(
+                                f"seq_id {seq_id} of model {model_id} was already executed (next is {m.next_seq})"
+                            )
+                        m.last_request_time = utcnow()
+                if checkpoint is not None and rejected is None:
+                    self._register_checkpoint(s, checkpoint, overwrite)
+                state = "failed" if rejected else "pending"
+                return self._new_future(
+                    s,
+                    owner,
+                    base_model,
+                    op,
+                    None if rejected else payload,
+                    model_id=model_id,
+                    sampler_id=sampler_id,
+                    seq_id=seq_id,
+                    n_tokens=n_tokens,
+                    state=state,
+                    error=rejected,
+                    reply=reply,
+                )
+        except IntegrityError:
+            if keyed:
+                fid = self._existing(model_id, sampler_id, seq_id)  # type: ignore[arg-type]
+                if fid is not None:
+                    return fid
+            raise
+
+    def get_future(self, request_id: str, owner: str) -> Future | None:
+        with self.read() as s:
+            row = s.get(Future, request_id)
+            return row if row is not None and row.owner == owner else None
+
+    def finished_among(self, request_ids: Sequence[str]) -> set[str]:
+        """The ids among ``request_ids`` that are done or failed."""
+        if not request_ids:
+            return set()
+        with self.read() as s:
+            q = select(Future.id).where(Future.id.in_(list(request_ids)), Future.state.in_(("done", "failed")))
+            return set(s.scalars(q))
+
+    def queue_counts(self) -> dict[tuple[str, str], int]:
+        """Number of futures by ``(base_model, state)``."""
+        with self.read() as s:
+            q = select(Future.base_model, Future.state, func.count()).group_by(Future.base_model, Future.state)
+            return {(b, st): n for b, st, n in s.execute(q)}
+
+    def purge_futures(self, older_than_s: float) -> int:
+        """Delete finished futures older than the retention window (their results were fetched)."""
+        cutoff = utcnow() - timedelta(seconds=older_than_s)
+        with self.write() as s:
+            res = s.execute(delete(Future).where(Future.state.in_(("done", "failed")), Future.finished_at < cutoff))
+            return res.rowcount or 0
+
+    # -- engine side ------------------------------------------------------------------------------
+
+    def pending(self, base_model: str, limit: int = 10_000) -> list[PendingFuture]:
+        """Queued requests of one base model, oldest first (no payloads)."""
+        with self.read() as s:
+            q = (
+                select(
+                    Future.id,
+                    Future.op,
+                    Future.model_id,
+                    Future.sampler_id,
+                    Future.seq_id,
+                    Future.n_tokens,
+                    Future.created_at,
+                )
+                .where(Future.base_model == base_model, Future.state == "pending")
+                .order_by(Future.created_at, Future.id)
+                .limit(limit)
+            )
+            return [PendingFuture(*row) for row in s.execute(q)]
+
+    def cursors(self, model_ids: Sequence[str]) -> dict[str, ModelCursor]:
+        if not model_ids:
+            return {}
+        with self.read() as s:
+            q = select(TrainingModel.id, TrainingModel.next_seq, TrainingModel.status).where(
+                TrainingModel.id.in_(list(set(model_ids)))
+            )
+            return {mid: ModelCursor(n, st) for mid, n, st in s.execute(q)}
+
+    def claim(self, ids: Sequence[str]) -> dict[str, bytes | None]:
+        """Mark requests running and return their payloads."""
+        with self.write() as s:
+            s.execute(update(Future).where(Future.id.in_(list(ids))).values(state="running", started_at=utcnow()))
+            return dict(s.execute(select(Future.id, Future.payload).where(Future.id.in_(list(ids)))).all())
+
+    def finish(
+        self,
+        outcomes: Sequence[tuple[str, bytes | None, str | None, str | None]],
+        advance: dict[str, int] | None = None,
+        model_status: dict[str, tuple[str, str | None]] | None = None,
+        checkpoints: dict[str, tuple[str, int | None]] | None = None,
+    ) -> None:
+        """Record results in one transaction: ``outcomes`` = ``(id, result, error, category)``;
+        ``advance`` = new ``next_seq`` per model; ``model_status`` = ``(status, detail)`` per model;
+        ``checkpoints`` = ``(state, size_bytes)`` per tinker path (``failed`` ones are removed)."""
+        now = utcnow()
+        with self.write() as s:
+            for fid, result, error, category in outcomes:
+                values = dict(finished_at=now, payload=None)
+                if error is None:
+                    values.update(state="done", result=result)
+                else:
+                    values.update(state="failed", error=error, category=category or "server")
+                s.execute(update(Future).where(Future.id == fid).values(**values))
+            for mid, nxt in (advance or {}).items():
+                s.execute(
+                    update(TrainingModel)
+                    .where(TrainingModel.id == mid, TrainingModel.next_seq < nxt)
+                    .values(next_seq=nxt)
+                )
+            for mid, (status, detail) in (model_status or {}).items():
+                s.execute(update(TrainingModel).where(TrainingModel.id == mid).values(status=status, status_detail=detail))
+            for path, (state, size) in (checkpoints or {}).items():
+                if state == "failed":
+                    s.execute(delete(Checkpoint).where(Checkpoint.tinker_path == path, Checkpoint.state == "pending"))
+                else:
+                    s.execute(
+                        update(Checkpoint).where(Checkpoint.tinker_path == path).values(state=state, size_bytes=size)
+                    )
+
+    def register_engine(self, base_model: str, pid: int, capabilities: Sequence[str] = ("train",)) -> int:
+        """Record a (re)started engine; returns its generation."""
+        now = utcnow()
+        with self.write() as s:
+            row = s.get(EngineRecord, base_model)
+            if row is None:
+                row = EngineRecord(base_model=base_model, generation=0)
+                s.add(row)
+            row.generation = (row.generation or 0) + 1
+            row.pid, row.status, row.detail, row.started_at, row.heartbeat_at = pid, "starting", None, now, now
+            row.capabilities = list(capabilities)
+            return row.generation
+
+    def engine_ready(self, base_model: str) -> None:
+        with self.write() as s:
+            s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(status="ready"))
+
+    def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float) -> None:
+        """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens)."""
+        values: dict = dict(heartbeat_at=utcnow())
+        if passes:
+            values.update(
+                passes=EngineRecord.passes + passes,
+                tokens=EngineRecord.tokens + tokens,
+                busy_seconds=EngineRecord.busy_seconds + seconds,
+                last_pass_seconds=seconds,
+                last_pass_tokens=tokens,
+            )
+        with self.write() as s:
+            s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(**values))
+
+    def engines(self) -> list[EngineRecord]:
+        with self.read() as s:
+            return list(s.scalars(select(EngineRecord).order_by(EngineRecord.base_model)))
+
+    def engine_lost(self, base_model: str, detail: str) -> tuple[int, int]:
+        """The engine of ``base_model`` is gone: fail its pending and running requests and mark the
+        models it held as lost. Returns ``(futures failed, models lost)``."""
+        now = utcnow()
+        with self.write() as s:
+            s.execute(
+                update(EngineRecord).where(EngineRecord.base_model == base_model).values(status="dead", detail=detail)
+            )
+            res = s.execute(
+                update(Future)
+                .where(Future.base_model == base_model, Future.state.in_(("pending", "running")))
+                .values(state="failed", error=detail, category="server", finished_at=now, payload=None)
+            )
+            lost = s.execute(
+                update(TrainingModel)
+                .where(TrainingModel.base_model == base_model, TrainingModel.status.in_(("creating", "active")))
+                .values(status="lost", status_detail=detail)
+            )
+            s.execute(delete(Checkpoint).where(Checkpoint.base_model == base_model, Checkpoint.state == "pending"))
+            return res.rowcount or 0, lost.rowcount or 0
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _register_checkpoint(self, s: OrmSession, ckpt: Checkpoint, overwrite: bool) -> None:
+        old = s.get(Checkpoint, ckpt.tinker_path)
+        if old is not None:
+            if old.state == "pending":
+                raise Conflict(f"checkpoint {ckpt.tinker_path} is being written by another request")
+            if not overwrite:
+                raise Conflict(f"checkpoint {ckpt.tinker_path} already exists; pass overwrite=True or pick a new name")
+            s.delete(old)
+            s.flush()
+        s.add(ckpt)
+
+    def get_checkpoint(self, tinker_path: str, owner: str | None, allow_public: bool = False) -> Checkpoint | None:
+        """A checkpoint the owner may see (its own, or a public one when ``allow_public``)."""
+        with self.read() as s:
+            row = s.get(Checkpoint, tinker_path)
+            if row is None or row.state == "failed":
+                return None
+            if owner is None or row.owner == owner or (allow_public and row.public):
+                return row
+            return None
+
+    def list_checkpoints(
+        self, owner: str, model_id: str | None = None, limit: int = 1000, offset: int = 0
+    ) -> tuple[list[Checkpoint], int]:
+        with self.read() as s:
+            q = select(Checkpoint).where(Checkpoint.owner == owner, Checkpoint.state == "ready")
+            if model_id is not None:
+                q = q.where(Checkpoint.model_id == model_id)
+            total = s.scalar(select(func.count()).select_from(q.subquery())) or 0
+            rows = s.scalars(q.order_by(Checkpoint.created_at.desc(), Checkpoint.tinker_path).limit(limit).offset(offset))
+            return list(rows), total
+
+    def update_checkpoint(self, tinker_path: str, owner: str, **values) -> Checkpoint | None:
+        with self.write() as s:
+            row = s.get(Checkpoint, tinker_path)
+            if row is None or row.owner != owner or row.state != "ready":
+                return None
+            for k, v in values.items():
+                setattr(row, k, v)
+            return row
+
+    def delete_checkpoint(self, tinker_path: str, owner: str | None) -> Checkpoint | None:
+        """Remove the row (the caller deletes the files); returns it, or ``None`` if not found."""
+        with self.write() as s:
+            row = s.get(Checkpoint, tinker_path)
+            if row is None or (owner is not None and row.owner != owner) or row.state == "pending":
+                return None
+            s.delete(row)
+            return row
+
+    def expired_checkpoints(self) -> list[Checkpoint]:
+        with self.read() as s:
+            q = select(Checkpoint).where(Checkpoint.expires_at.is_not(None), Checkpoint.expires_at < utcnow())
+            return list(s.scalars(q.where(Checkpoint.state == "ready")))
+
+    # -- sampling sessions ------------------------------------------------------------------------
+
+    def create_sampling_session(
+        self,
+        *,
+        owner: str,
+        session_id: str,
+        seq: int,
+        base_model: str,
+        model_path: str | None,
+        weights_uri: str | None,
+        source_model_id: str | None = None,
+    ) -> str:
+        """Sampler ``{session}:sample:{seq}``; idempotent (a retry returns the same id)."""
+        sid = f"{session_id}:sample:{seq}"
+        try:
+            with self.write() as s:
+                if s.get(SamplingSession, sid) is None:
+                    s.add(
+                        SamplingSession(
+                            id=sid,
+                            session_id=session_id,
+                            owner=owner,
+                            base_model=base_model,
+                            model_path=model_path,
+                            weights_uri=weights_uri,
+                            source_model_id=source_model_id,
+                            created_at=utcnow(),
+                        )
+                    )
+        except IntegrityError:
+            pass
+        return sid
+
+    def get_sampling_session(self, sampler_id: str, owner: str | None) -> SamplingSession | None:
+        with self.read() as s:
+            row = s.get(SamplingSession, sampler_id)
+            return row if row is not None and (owner is None or row.owner == owner) else None

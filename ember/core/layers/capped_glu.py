@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.core.kernels.grouped import offsets_from_sizes
-from ember.core.layers.lora import LoraRoute
-from ember.core.layers.moe import Experts, Routing, _ExpertProjection
+from ember.core.layers.moe import Experts
 
 
 class _SiTUGLU(torch.autograd.Function):
@@ -50,48 +48,15 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: floa
 
 
 class CappedGLUExperts(Experts):
-    """Stacked experts with the softcapped SiTU-GLU activation: the weights, LoRA names and grouped
-    dispatch of :class:`~ember.core.layers.moe.Experts` (whose forward hard-wires SwiGLU, hence the
-    copy below with only the activation changed), plus the fp32 accumulation of the top-k outputs
-    that transformers does."""
+    """Stacked experts with the softcapped SiTU-GLU activation, summing the top-k outputs in fp32 as
+    transformers does; weights, LoRA names and grouped dispatch are :class:`Experts`'."""
+
+    accumulate_fp32 = True
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, gate_cap: float, up_cap: float):
         super().__init__(hidden, intermediate, num_experts)
         self.gate_cap = gate_cap
         self.up_cap = up_cap
 
-    def forward(self, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
-        T = x.shape[0]
-        k = routing.experts.shape[1]
-        flat_expert = routing.experts.reshape(-1)
-        flat_token = torch.arange(T, device=x.device).repeat_interleave(k)
-        groups = len(lora.groups) if lora is not None else 1
-        if groups > 1:
-            row_group = lora.token_group()[flat_token]
-            key = flat_expert * groups + row_group
-        else:
-            row_group = torch.zeros_like(flat_expert)
-            key = flat_expert
-        order = torch.argsort(key, stable=True)
-        token = flat_token[order]
-        row_group = row_group[order]
-        expert_offsets = offsets_from_sizes(torch.bincount(flat_expert, minlength=self.num_experts), x.device)
-        pair_offsets = expert_offsets
-        if groups > 1:
-            pair_offsets = offsets_from_sizes(torch.bincount(key, minlength=self.num_experts * groups), x.device)
-
-        def project(inp, rows, in_scale, weight, suffix):
-            factors = None
-            if lora is not None:
-                factors = lora.expert_factors(f"{self.lora_name}.{suffix}", row_group, inp.dtype)
-            if factors is None:
-                return _ExpertProjection.apply(inp, rows, in_scale, weight, expert_offsets, None, None, None, None)
-            A, B, scale_rows = factors
-            lora_offsets = expert_offsets if groups == 1 else pair_offsets
-            return _ExpertProjection.apply(inp, rows, in_scale, weight, expert_offsets, lora_offsets, scale_rows, A, B)
-
-        gate, up = project(x, token, None, self.gate_up_proj, "gate_up_proj").chunk(2, dim=-1)
-        weights = routing.weights.reshape(-1)[order]
-        # the routing weight scales the down projection's input rows (the same: it is linear)
-        out = project(situ_glu(gate, up, self.gate_cap, self.up_cap), None, weights, self.down_proj, "down_proj")
-        return x.new_zeros(x.shape, dtype=torch.float32).index_add_(0, token, out.float()).to(x.dtype)
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ_glu(gate, up, self.gate_cap, self.up_cap)

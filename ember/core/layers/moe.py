@@ -107,7 +107,12 @@ class _ExpertProjection(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """Stacked SwiGLU experts, run as grouped products."""
+    """Stacked gated experts (SwiGLU by default), run as grouped products.
+
+    Families change the gate activation by overriding :meth:`activation`, and may sum the top-k
+    outputs in fp32 (``accumulate_fp32``) where their reference does."""
+
+    accumulate_fp32 = False
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int):
         super().__init__()
@@ -119,8 +124,12 @@ class Experts(nn.Module):
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each adaptable stacked parameter, keyed by its LoRA name suffix."""
-        E, two_i, h = self.gate_up_proj.shape
+        _, two_i, h = self.gate_up_proj.shape
         return {"gate_up_proj": (h, two_i), "down_proj": (two_i // 2, h)}
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation between the two projections."""
+        return silu_mul(gate, up)
 
     def forward(self, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
         T = x.shape[0]
@@ -155,7 +164,9 @@ class Experts(nn.Module):
         gate, up = project(x, token, None, self.gate_up_proj, "gate_up_proj").chunk(2, dim=-1)
         weights = routing.weights.reshape(-1)[order]
         # the routing weight scales the down projection's input rows (same result: it is linear)
-        out = project(silu_mul(gate, up), None, weights, self.down_proj, "down_proj")
+        out = project(self.activation(gate, up), None, weights, self.down_proj, "down_proj")
+        if self.accumulate_fp32:
+            return x.new_zeros(x.shape, dtype=torch.float32).index_add_(0, token, out.float()).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)
 
 

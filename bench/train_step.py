@@ -75,21 +75,28 @@ def requests(slots: list[int], seqs: list[np.ndarray]) -> list[ForwardBackwardIn
         per[slots[i % len(slots)]].append(
             Datum(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(len(seq) - 1, np.float32)})
         )
-    return [ForwardBackwardInput(s, d, "cross_entropy") for s, d in per.items()]
+    return [ForwardBackwardInput(s, d, "cross_entropy") for s, d in per.items() if d]
 
 
 def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, rank: int, warmup, iters,
-              profile_dir=None, targets=("attn", "mlp")):
+              profile_dir=None, targets=("attn", "mlp"), micro: int = 1):
     worker = Worker(model, max_adapters=bank_slots, max_rank=max(64, rank))
     config = LoraConfig(rank=rank, alpha=32.0, targets=frozenset(targets))
     slots = [worker.create_adapter(LoraConfig(rank=rank, alpha=32.0, targets=config.targets, seed=i)) for i in range(fill)]
     used = slots[:n_adapters]
-    reqs = requests(used, seqs)
+    # micro > 1: the batch as several forward_backward calls whose gradients accumulate (Tinker's
+    # chunked forward_backward), then one optim_step per adapter
+    n = len(seqs) // micro
+    parts = [requests(used[i * len(used) // micro :] if len(used) > 1 else used, seqs[i * n : (i + 1) * n])
+             for i in range(micro)]
     losses = []
 
     def step():
-        outs = worker.forward_backward(reqs)
-        losses.append(sum(o.metrics["loss:sum"] for o in outs))
+        total = 0.0
+        for reqs in parts:
+            outs = worker.forward_backward(reqs)
+            total += sum(o.metrics["loss:sum"] for o in outs)
+        losses.append(total)
         for s in used:
             worker.optim_step(s, HP)
 
@@ -198,6 +205,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=1, help="Ember: split the batch into this many forward_backward calls")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", default="ember-1,ember-8,ember-32x1,hf-peft", help="comma list of configurations")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table of one Ember step")
@@ -215,9 +223,9 @@ def main() -> None:
     results = {}
     plan = {
         "ember-1": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
-                                     args.out if args.profile else None),
+                                     args.out if args.profile else None, micro=args.micro),
         "ember-8": lambda: run_ember(model, hf_cfg, seqs, 8, 32, 32, args.rank, args.warmup, args.iters,
-                                     args.out if args.profile else None),
+                                     args.out if args.profile else None, micro=args.micro),
         "ember-32x1": lambda: run_ember(model, hf_cfg, seqs, 1, 32, 32, args.rank, args.warmup, args.iters),
         "ember-1u": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
                                       targets=("attn", "mlp", "unembed")),

@@ -69,21 +69,21 @@ def build_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     n_tok = build_tokenizer(out_dir, tokenizer_vocab)
     vocab = max(overrides.pop("vocab_size", 0), -(-n_tok // 64) * 64)
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        eos_token_id=0,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "bos_token_id": None,
+        "pad_token_id": 0,
+    }
     if family == "qwen3_moe":
         common.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
     common.update(overrides)

@@ -11,7 +11,8 @@ cursor). The scheduler looks at every queued request of one base model and build
   until the token budget is used; the first request always fits.
 * ``ops``: the next request of every other model when it is not a forward_backward (optim_step,
   save, load, create, unload); each runs on its own.
-* ``samples``: sampling requests (independent of training order) up to their own token budget.
+* ``samples``: sampling requests (independent of training order) up to their own token budget;
+  they run after the training pass of the same tick, so neither starves the other.
 * ``dead``: requests that can never run (their model failed, was unloaded or lost, or their
   seq_id is behind the cursor), with the reason.
 * ``skip``: gaps to jump. A client that reserved a seq_id but never sent it (a crash between
@@ -61,7 +62,9 @@ def plan(
     sample_tokens = 0
     for f in pending:
         if f.model_id is None:
-            if f.sampler_id is not None and (not out.samples or sample_tokens + f.n_tokens <= sample_budget):
+            if f.op != "sample":
+                out.ops.append(f)  # sampler bookkeeping (unload_sampler)
+            elif not out.samples or sample_tokens + f.n_tokens <= sample_budget:
                 out.samples.append(f)
                 sample_tokens += f.n_tokens
             continue

@@ -33,7 +33,15 @@ from ember.storage import Storage
 from ember.store import Store
 from ember.store.payload import decode, encode
 from ember.store.repo import PendingFuture, utcnow
-from ember.types import Datum, ForwardBackwardInput, InvalidRequest, RequestError
+from ember.types import (
+    Datum,
+    ForwardBackwardInput,
+    InvalidRequest,
+    RequestError,
+    SampleInput,
+    SampleOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger("ember.engine")
 
@@ -58,6 +66,7 @@ class EngineService:
         sample_budget: int = 8192,
         gap_timeout_s: float = 300.0,
         max_idle_poll_s: float = 0.02,
+        model_path: str | Path | None = None,
     ):
         self.store = store
         self.storage = storage
@@ -68,6 +77,9 @@ class EngineService:
         self.gap_timeout_s = gap_timeout_s
         self.max_idle_poll_s = max_idle_poll_s
         self.slots: dict[str, int] = {}  # model id -> adapter slot
+        self.sampler_slots: dict[str, int] = {}  # sampler id -> adapter slot (0: the base model)
+        self.model_path = model_path
+        self._detokenize = None
         self._last_beat = 0.0
 
     # -- main loop --------------------------------------------------------------------------------
@@ -116,8 +128,8 @@ class EngineService:
             self._run_op(f, payloads.get(f.id))
         if work.passes:
             self._run_pass(work.passes, payloads)
-        for f in work.samples:
-            self._finish_one(f, None, "sampling is not available in this engine build (no Worker.sample)", "server")
+        if work.samples:
+            self._run_samples(work.samples, payloads)
         return True
 
     # -- forward_backward ---------------------------------------------------------------------------
@@ -138,7 +150,7 @@ class EngineService:
         try:
             results = iter(self.worker.forward_backward(ready)) if ready else iter(())
             error = None
-        except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, not the engine
+        except Exception as e:
             log.exception("forward_backward pass failed")
             results, error = iter(()), f"the forward/backward pass failed: {type(e).__name__}: {e}"
         seconds = time.perf_counter() - t0
@@ -166,6 +178,72 @@ class EngineService:
             extra={"requests": len(futures), "models": len({f.model_id for f in futures}), "tokens": tokens,
                    "seconds": round(seconds, 4)},
         )
+
+    # -- sampling -----------------------------------------------------------------------------------
+
+    def _sampler_slot(self, sampler_id: str, p: dict) -> int:
+        """The slot a sampler reads: 0 for the base model, else its adapter, loaded from its
+        checkpoint on first use."""
+        slot = self.sampler_slots.get(sampler_id)
+        if slot is not None:
+            return slot
+        uri = p.get("weights_uri")
+        if p.get("kind") == "snapshot":
+            raise UserError(f"sampler {sampler_id}'s weight snapshot is gone (the engine restarted); "
+                            "call save_weights_and_get_sampling_client again")
+        if uri is None:
+            slot = 0
+        else:
+            with self._local_copy(uri) as path:
+                try:
+                    slot = self.worker.load_adapter(path, with_optimizer=False)
+                except (ValueError, FileNotFoundError) as e:
+                    raise UserError(f"cannot load the sampler's weights {p.get('model_path')}: {e}") from None
+        self.sampler_slots[sampler_id] = slot
+        return slot
+
+    def detokenize(self, ids) -> str:
+        """The model's tokenizer decode (for stop strings), loaded on first use."""
+        if self._detokenize is None:
+            if self.model_path is None:
+                raise UserError("stop strings need the model's tokenizer, which this engine does not have")
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(self.model_path))
+            self._detokenize = lambda ids: tok.decode(list(ids))
+        return self._detokenize(ids)
+
+    def _run_samples(self, futures: list[PendingFuture], payloads: dict[str, bytes | None]) -> None:
+        inputs: list[tuple[PendingFuture, SampleInput]] = []
+        outcomes: list[Outcome] = []
+        for f in futures:
+            p = decode(payloads[f.id])  # type: ignore[arg-type]
+            try:
+                slot = self._sampler_slot(f.sampler_id, p)  # type: ignore[arg-type]
+            except (UserError, AdapterBankFull) as e:
+                outcomes.append((f.id, None, str(e), "user"))
+                continue
+            params = SamplingParams(**p["params"])
+            inputs.append((f, SampleInput(
+                slot=slot, prompt=np.asarray(p["prompt"], np.int64), params=params, num_samples=p["num_samples"],
+                prompt_logprobs=p["prompt_logprobs"], prompt_logprobs_last_n=p["prompt_logprobs_last_n"],
+                topk_prompt_logprobs=p["topk_prompt_logprobs"], topk_sample_logprobs=p["topk_sample_logprobs"],
+                target_prompt_logprobs=p.get("target_prompt_logprobs"),
+            )))
+        t0 = time.perf_counter()
+        if inputs:
+            try:
+                results = self.worker.sample([i for _, i in inputs], detokenize=self.detokenize)
+            except Exception as e:
+                log.exception("sampling batch failed")
+                results = [RequestError(f"sampling failed: {type(e).__name__}: {e}", "server")] * len(inputs)
+            for (f, _), out in zip(inputs, results):
+                if isinstance(out, RequestError):
+                    outcomes.append((f.id, None, out.message, out.category))
+                else:
+                    outcomes.append((f.id, encode(_sample_result(out)), None, None))
+        self.store.finish(outcomes)
+        log.info("sampled", extra={"requests": len(futures), "seconds": round(time.perf_counter() - t0, 4)})
 
     # -- other operations ---------------------------------------------------------------------------
 
@@ -197,7 +275,7 @@ class EngineService:
         except (UserError, InvalidRequest, AdapterBankFull) as e:
             self._op_failed(f, str(e), "user", ckpt_path)
             return
-        except Exception as e:  # noqa: BLE001 - one failed request must not stop the engine
+        except Exception as e:
             log.exception("operation failed", extra={"op": f.op, "request_id": f.id})
             self._op_failed(f, f"{f.op} failed: {type(e).__name__}: {e}", "server", ckpt_path)
             return
@@ -254,6 +332,17 @@ class EngineService:
             self.worker.free_adapter(slot)
         return {}, None
 
+    def _op_snapshot_sampler(self, f: PendingFuture, p: dict):
+        """``save_weights_and_get_sampling_client``: freeze the model's current weights for a sampler."""
+        self.sampler_slots[p["sampler_id"]] = self.worker.snapshot_adapter(self._slot(f.model_id))
+        return {"sampling_session_id": p["sampler_id"]}, None
+
+    def _op_unload_sampler(self, f: PendingFuture, p: dict):
+        slot = self.sampler_slots.pop(f.sampler_id, None)  # type: ignore[arg-type]
+        if slot:
+            self.worker.free_adapter(slot)
+        return {}, None
+
     def _op_optim_step(self, f: PendingFuture, p: dict):
         metrics = self.worker.optim_step(self._slot(f.model_id), AdamParams(**p["adam"]))
         return {"metrics": metrics}, None
@@ -304,6 +393,20 @@ class EngineService:
             yield self.storage.download_dir(uri, Path(tmp) / "ckpt")
 
 
+def _sample_result(out: SampleOutput) -> dict:
+    """The stored (internal) form of a sampling result."""
+    seqs = [
+        {"tokens": np.asarray(q.tokens, np.int64), "logprobs": np.asarray(q.logprobs, np.float32),
+         "stop_reason": q.stop_reason,
+         "topk_ids": None if q.topk_ids is None else np.asarray(q.topk_ids, np.int64),
+         "topk_logprobs": None if q.topk_logprobs is None else np.asarray(q.topk_logprobs, np.float32)}
+        for q in out.sequences
+    ]
+    arrays = {k: getattr(out, k) for k in ("prompt_logprobs", "topk_prompt_ids", "topk_prompt_logprobs",
+                                             "target_prompt_logprobs")}
+    return {"sequences": seqs, **{k: None if v is None else np.asarray(v) for k, v in arrays.items()}}
+
+
 def _age_encrypt_folder(folder: Path, recipients: list[str]) -> None:
     """Replace every file with its age encryption (``name.age``) for ``recipients``."""
     import pyrage
@@ -348,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     service = EngineService(
         store, Storage(args.storage), args.base_model, worker, token_budget=args.token_budget,
-        gap_timeout_s=args.gap_timeout,
+        gap_timeout_s=args.gap_timeout, model_path=args.model_path,
     )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

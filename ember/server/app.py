@@ -114,7 +114,7 @@ async def _reaper(state: EmberState) -> None:
                     await asyncio.to_thread(state.storage.delete, ckpt.uri)
                     log.info("checkpoint expired", extra={"tinker_path": ckpt.tinker_path})
             await asyncio.to_thread(state.store.purge_futures, cfg.future_retention_s)
-        except Exception:  # noqa: BLE001 - keep reaping after a transient database error
+        except Exception:
             log.exception("reaper pass failed")
         await asyncio.sleep(cfg.reaper_interval_s)
 

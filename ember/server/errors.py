@@ -13,7 +13,9 @@ from fastapi import HTTPException
 
 class ApiError(HTTPException):
     def __init__(self, status_code: int, detail: str):
-        super().__init__(status_code=status_code, detail=detail)
+        # The SDK retries 5xx unless told not to; a 501 is final.
+        headers = {"x-should-retry": "false"} if status_code == 501 else None
+        super().__init__(status_code=status_code, detail=detail, headers=headers)
 
 
 def bad_request(detail: str) -> ApiError:

@@ -217,6 +217,8 @@ class Store:
             )
             for m in models:
                 self._queue_unload(s, m, f"session {session_id} {status}: {reason}")
+            for sampler in s.scalars(select(SamplingSession).where(SamplingSession.session_id == session_id)):
+                self._new_future(s, sampler.owner, sampler.base_model, "unload_sampler", None, sampler_id=sampler.id)
             return [m.id for m in models]
 
     def expire_idle_sessions(self, timeout_s: float) -> list[str]:
@@ -490,7 +492,7 @@ class Store:
         now = utcnow()
         with self.write() as s:
             for fid, result, error, category in outcomes:
-                values = dict(finished_at=now, payload=None)
+                values = {"finished_at": now, "payload": None}
                 if error is None:
                     values.update(state="done", result=result)
                 else:
@@ -531,7 +533,7 @@ class Store:
 
     def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float) -> None:
         """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens)."""
-        values: dict = dict(heartbeat_at=utcnow())
+        values: dict = {"heartbeat_at": utcnow()}
         if passes:
             values.update(
                 passes=EngineRecord.passes + passes,

@@ -58,9 +58,9 @@ class Server:
 
 
 def _serve(args: list[str], log: Path) -> subprocess.Popen:
-    fh = open(log, "ab")
-    return subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", *args], stdout=fh, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, cwd=REPO)
+    with open(log, "ab") as fh:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", *args], stdout=fh,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
 
 
 def _wait_ready(base_url: str, proc: subprocess.Popen, log: Path, engines: bool, timeout_s: float = 240) -> None:
@@ -133,7 +133,7 @@ def server(tmp_path_factory):
 def run_scenario(server: Server, name: str, key: str = "alice", timeout_s: float = 300, **env) -> str:
     """Run ``tests/conformance/scenarios/{name}.py`` with the SDK against ``server``; returns stdout."""
     proc = subprocess.run([sys.executable, "-m", f"tests.conformance.scenarios.{name}"], env=server.env(key, **env),
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
         raise AssertionError(
             f"scenario {name} failed (exit {proc.returncode})\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"

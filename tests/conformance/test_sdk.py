@@ -27,3 +27,21 @@ def test_stage6_client_side_custom_loss(server):
 
 def test_stage8_checkpoints_resume_rest_and_isolation(server):
     run_scenario(server, "s8_checkpoints")
+
+
+def test_stage7_sampling(server):
+    run_scenario(server, "s7_sampling")
+
+
+def test_stage9_lifecycle(server):
+    run_scenario(server, "s9_lifecycle")
+    assert '"path": "/api/v1/telemetry"' in server.log.read_text()
+
+
+def test_two_clients_train_concurrently_and_get_what_they_get_alone(server):
+    run_scenario(server, "s_multitenant")
+
+
+def test_engine_death_fails_pending_requests_and_restarts(server):
+    """Last: it loses every model of the Qwen3 engine."""
+    run_scenario(server, "s_engine_death")

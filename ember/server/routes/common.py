@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 from fastapi import Request
@@ -112,9 +114,21 @@ def submit(st: EmberState, **kwargs) -> str:
         raise bad_request(str(e)) from None
 
 
+@contextmanager
+def sequenced(st: EmberState, owner: str, model: TrainingModel, op: str, seq_id: int) -> Iterator[None]:
+    """Around the validation and submission of a model's request with ``seq_id``: a 4xx raised
+    inside records the request as rejected, so it still takes its seq_id and the model's later
+    requests (which the SDK numbers after it) are not held up waiting for it."""
+    try:
+        yield
+    except ApiError as e:
+        if 400 <= e.status_code < 500:
+            reject(st, owner, model, op, seq_id, str(e.detail))
+        raise
+
+
 def reject(st: EmberState, owner: str, model: TrainingModel, op: str, seq_id: int, message: str) -> ApiError:
-    """Record a request that failed validation (it still takes its seq_id, so the model's later
-    requests run) and return the 400 to raise."""
+    """Record a request that failed validation and return the 400 to raise."""
     from ember.store.payload import encode
 
     try:

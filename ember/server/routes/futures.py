@@ -34,7 +34,7 @@ def render_result(row: Future) -> Response:
     if kind == "sample":
         from ember.server.wire.sampling import encode_sample_response
 
-        return Response(encode_sample_response(result), media_type=PROTO)
+        return Response(encode_sample_response(result, reply.get("layout")), media_type=PROTO)
     for key in reply.pop("result_keys", ()):
         if key in result:
             reply[key] = result[key]

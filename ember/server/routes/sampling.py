@@ -1,26 +1,52 @@
-"""Sampling endpoints: create_sampling_session, samplers/{id}, asample.
-
-The engine's Worker has no sampler yet, so these answer 501 with a JSON detail instead of
-pretending to sample."""
+"""Sampling endpoints: create_sampling_session (base model, or a checkpoint's weights),
+samplers/{id}, and asample (a future whose result is a protobuf ``SampleResponse``).
+``compute_logprobs`` is ``asample`` with ``max_tokens=1`` and prompt logprobs."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
 from ember.server.auth import require_owner
-from ember.server.errors import not_found, not_implemented
-from ember.server.routes.common import ember
+from ember.server.errors import ApiError, bad_request, not_found
+from ember.server.routes.common import active_session, ember, readable_checkpoint, served_model, submit
 from ember.server.wire import schemas
+from ember.server.wire.sampling import decode_sample_request
+from ember.server.wire.training import WireError
+from ember.store.payload import encode
 
 router = APIRouter(prefix="/api/v1")
-NO_SAMPLER = "sampling is not available: this Ember build's engine has no sampler yet"
+
+
+def require_sampling(st, base_model: str) -> None:
+    """501 (not retried: ``x-should-retry: false``) when the engine of ``base_model`` cannot sample."""
+    for e in st.store.engines():
+        if e.base_model == base_model and "sample" not in (e.capabilities or []):
+            raise ApiError(501, f"the engine serving {base_model!r} has no sampler")
 
 
 @router.post("/create_sampling_session")
 def create_sampling_session(
     body: schemas.CreateSamplingSessionRequest, request: Request, owner: str = Depends(require_owner)
 ) -> dict:
-    raise not_implemented(NO_SAMPLER)
+    st = ember(request)
+    active_session(st, owner, body.session_id)
+    model_path, weights_uri = None, None
+    if body.model_path is not None:
+        ckpt = readable_checkpoint(st, owner, body.model_path)
+        if ckpt.kind == "external":
+            raise bad_request(f"{body.model_path} is an external export; sample from sampler_weights/ or weights/")
+        if body.base_model is not None and body.base_model != ckpt.base_model:
+            raise bad_request(f"{body.model_path} belongs to base model {ckpt.base_model!r}, not {body.base_model!r}")
+        base, model_path, weights_uri = ckpt.base_model, body.model_path, ckpt.uri
+    elif body.base_model is not None:
+        base = body.base_model
+    else:
+        raise bad_request("create_sampling_session needs base_model or model_path")
+    served_model(st, base)
+    require_sampling(st, base)
+    sid = st.store.create_sampling_session(owner=owner, session_id=body.session_id, seq=body.sampling_session_seq_id,
+                                           base_model=base, model_path=model_path, weights_uri=weights_uri)
+    return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
 
 @router.get("/samplers/{sampler_id}")
@@ -33,4 +59,20 @@ def get_sampler(sampler_id: str, request: Request, owner: str = Depends(require_
 
 @router.post("/asample")
 def asample(body: schemas.SampleRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
-    raise not_implemented(NO_SAMPLER)
+    st = ember(request)
+    if body.sampling_session_id is None:
+        raise bad_request("asample needs sampling_session_id (create one with create_sampling_session)")
+    sampler = st.store.get_sampling_session(body.sampling_session_id, owner)
+    if sampler is None:
+        raise not_found(f"sampler {body.sampling_session_id!r}")
+    active_session(st, owner, sampler.session_id)
+    require_sampling(st, sampler.base_model)
+    try:
+        payload, cost, layout = decode_sample_request(body, st.config.models[sampler.base_model].limits)
+    except WireError as e:
+        raise bad_request(str(e)) from None
+    kind = "snapshot" if sampler.source_model_id else ("checkpoint" if sampler.weights_uri else "base")
+    payload.update(kind=kind, weights_uri=sampler.weights_uri, model_path=sampler.model_path)
+    rid = submit(st, owner=owner, base_model=sampler.base_model, op="sample", payload=encode(payload),
+                 sampler_id=sampler.id, seq_id=body.seq_id, n_tokens=cost, reply={"proto": "sample", "layout": layout})
+    return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}

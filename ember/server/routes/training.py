@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 
 from ember.server.auth import require_owner
-from ember.server.errors import ApiError, bad_request, not_implemented
+from ember.server.errors import ApiError, bad_request
 from ember.server.routes.common import (
     active_session,
     check_name,
@@ -20,11 +20,12 @@ from ember.server.routes.common import (
     expiry,
     live_model,
     readable_checkpoint,
-    reject,
+    sequenced,
     served_model,
     submit,
     tinker_path,
 )
+from ember.server.routes.sampling import require_sampling
 from ember.server.wire import schemas
 from ember.server.wire.training import WireError, decode_forward_backward, decompress_zstd, parse_forward_backward
 from ember.store.models import Checkpoint, TrainingModel
@@ -140,14 +141,15 @@ def _submit_forward_backward(st, owner: str, msg) -> dict:
     model = live_model(st, owner, msg.model_id)
     if msg.seq_id < 1:
         raise bad_request(f"seq_id must be >= 1, got {msg.seq_id}")
-    try:
-        decoded = decode_forward_backward(msg, st.config.models[model.base_model].limits)
-    except WireError as e:
-        raise reject(st, owner, model, "forward_backward", msg.seq_id, str(e)) from None
-    rid = submit(
-        st, owner=owner, base_model=model.base_model, op="forward_backward", payload=encode(decoded.payload),
-        model_id=model.id, seq_id=decoded.seq_id, n_tokens=decoded.n_tokens, reply={"proto": "forward_backward"},
-    )
+    with sequenced(st, owner, model, "forward_backward", msg.seq_id):
+        try:
+            decoded = decode_forward_backward(msg, st.config.models[model.base_model].limits)
+        except WireError as e:
+            raise bad_request(str(e)) from None
+        rid = submit(
+            st, owner=owner, base_model=model.base_model, op="forward_backward", payload=encode(decoded.payload),
+            model_id=model.id, seq_id=decoded.seq_id, n_tokens=decoded.n_tokens, reply={"proto": "forward_backward"},
+        )
     return _accepted(rid, model.id)
 
 
@@ -155,25 +157,27 @@ def _submit_forward_backward(st, owner: str, msg) -> dict:
 def optim_step(body: schemas.OptimStepRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
     st = ember(request)
     model = live_model(st, owner, body.model_id)
-    params = body.adam_params.model_dump() if body.adam_params else (body.optim_params or body.optimizer_params)
-    if params is None:
-        raise reject(st, owner, model, "optim_step", body.seq_id, "optim_step needs adam_params")
-    if params.get("type") not in (None, "adam", "adamw"):
-        raise reject(st, owner, model, "optim_step", body.seq_id, f"optimizer params of type {params['type']!r} are not supported; use AdamParams")
-    try:
-        adam = schemas.AdamParamsBody.model_validate(params).model_dump(exclude={"type"})
-    except ValueError as e:
-        raise reject(st, owner, model, "optim_step", body.seq_id, f"invalid adam_params: {e}") from None
-    rid = submit(
-        st, owner=owner, base_model=model.base_model, op="optim_step", payload=encode({"adam": adam}),
-        model_id=model.id, seq_id=body.seq_id, reply={"type": "optim_step", "result_keys": ["metrics"]},
-    )
+    with sequenced(st, owner, model, "optim_step", body.seq_id):
+        params = body.adam_params.model_dump() if body.adam_params else (body.optim_params or body.optimizer_params)
+        if params is None:
+            raise bad_request("optim_step needs adam_params")
+        if params.get("type") not in (None, "adam", "adamw"):
+            raise bad_request(f"optimizer params of type {params['type']!r} are not supported; use AdamParams")
+        try:
+            adam = schemas.AdamParamsBody.model_validate(params).model_dump(exclude={"type"})
+        except ValueError as e:
+            raise bad_request(f"invalid adam_params: {e}") from None
+        rid = submit(
+            st, owner=owner, base_model=model.base_model, op="optim_step", payload=encode({"adam": adam}),
+            model_id=model.id, seq_id=body.seq_id, reply={"type": "optim_step", "result_keys": ["metrics"]},
+        )
     return _accepted(rid, model.id)
 
 
 def _save(st, owner: str, model: TrainingModel, seq_id: int, kind: str, name: str, *, ttl: int | None,
           user_metadata: dict | None, overwrite: bool, reply_type: str, op: str = "save_weights",
           extra: dict | None = None) -> dict:
+    """Queue a checkpoint write (the name and TTL are validated by the caller inside ``sequenced``)."""
     path = tinker_path(model.id, kind, name)
     uri = st.storage.uri_for(owner, model.id, kind, name)
     ckpt = Checkpoint(
@@ -198,8 +202,9 @@ def _save(st, owner: str, model: TrainingModel, seq_id: int, kind: str, name: st
 def save_weights(body: schemas.SaveWeightsRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
     st = ember(request)
     model = live_model(st, owner, body.model_id)
-    return _save(st, owner, model, body.seq_id, "training", check_name(body.path), ttl=body.ttl_seconds,
-                 user_metadata=body.user_metadata, overwrite=body.overwrite, reply_type="save_weights")
+    with sequenced(st, owner, model, "save_weights", body.seq_id):
+        return _save(st, owner, model, body.seq_id, "training", check_name(body.path), ttl=body.ttl_seconds,
+                     user_metadata=body.user_metadata, overwrite=body.overwrite, reply_type="save_weights")
 
 
 @router.post("/save_weights_for_sampler")
@@ -208,12 +213,25 @@ def save_weights_for_sampler(
 ) -> dict:
     st = ember(request)
     model = live_model(st, owner, body.model_id)
-    if body.path is not None:
-        return _save(st, owner, model, body.seq_id, "sampler", check_name(body.path), ttl=body.ttl_seconds,
-                     user_metadata=body.user_metadata, overwrite=False, reply_type="save_weights_for_sampler")
-    raise not_implemented(
-        "save_weights_and_get_sampling_client needs sampling, which this Ember build does not provide yet"
-    )
+    with sequenced(st, owner, model, "save_weights_for_sampler", body.seq_id):
+        if body.path is not None:
+            return _save(st, owner, model, body.seq_id, "sampler", check_name(body.path), ttl=body.ttl_seconds,
+                         user_metadata=body.user_metadata, overwrite=False, reply_type="save_weights_for_sampler")
+    # Ephemeral (save_weights_and_get_sampling_client): a sampler over a snapshot of the weights.
+    with sequenced(st, owner, model, "save_weights_for_sampler", body.seq_id):
+        if body.sampling_session_seq_id is None:
+            raise bad_request("save_weights_for_sampler needs path (named) or sampling_session_seq_id (ephemeral)")
+        if body.kind not in ("snapshot", "inflight"):
+            raise bad_request(f"kind {body.kind!r} must be 'snapshot' or 'inflight'")
+        require_sampling(st, model.base_model)
+        sid = st.store.create_sampling_session(
+            owner=owner, session_id=model.session_id, seq=body.sampling_session_seq_id, base_model=model.base_model,
+            model_path=None, weights_uri=None, source_model_id=model.id,
+        )
+        rid = submit(st, owner=owner, base_model=model.base_model, op="snapshot_sampler",
+                     payload=encode({"sampler_id": sid}), model_id=model.id, seq_id=body.seq_id,
+                     reply={"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+    return _accepted(rid, model.id)
 
 
 @router.post("/save_weights_external")
@@ -222,15 +240,16 @@ def save_weights_external(
 ) -> dict:
     st = ember(request)
     model = live_model(st, owner, body.model_id)
-    recipients = body.age_encryption_recipients or []
-    if len(recipients) > 10:
-        raise bad_request(f"age_encryption_recipients: at most 10 recipients, got {len(recipients)}")
-    for r in recipients:
-        if not (r.startswith("age1") or r.startswith("ssh-")):
-            raise bad_request(f"age_encryption_recipients: {r[:24]!r} is neither an age1… key nor an SSH public key")
-    return _save(st, owner, model, body.seq_id, "external", check_name(body.path), ttl=body.ttl_seconds,
-                 user_metadata=None, overwrite=True, reply_type="save_weights_external", op="save_external",
-                 extra={"recipients": recipients, "base_model": model.base_model})
+    with sequenced(st, owner, model, "save_weights_external", body.seq_id):
+        recipients = body.age_encryption_recipients or []
+        if len(recipients) > 10:
+            raise bad_request(f"age_encryption_recipients: at most 10 recipients, got {len(recipients)}")
+        for r in recipients:
+            if not (r.startswith(("age1", "ssh-"))):
+                raise bad_request(f"age_encryption_recipients: {r[:24]!r} is neither an age1… key nor an SSH public key")
+        return _save(st, owner, model, body.seq_id, "external", check_name(body.path), ttl=body.ttl_seconds,
+                     user_metadata=None, overwrite=True, reply_type="save_weights_external", op="save_external",
+                     extra={"recipients": recipients, "base_model": model.base_model})
 
 
 @router.post("/load_weights")
@@ -238,22 +257,27 @@ def load_weights(body: schemas.LoadWeightsRequest, request: Request, owner: str 
     """Create a model from a checkpoint (``session_id`` + ``model_seq_id``) or, for the deprecated
     ``TrainingClient.load_state``, replace a model's weights in place (``model_id`` + ``seq_id``)."""
     st = ember(request)
-    ckpt = readable_checkpoint(st, owner, body.path)
-    if ckpt.kind == "external":
-        raise bad_request(f"{body.path} is an external export; load a weights/ or sampler_weights/ checkpoint")
-    if body.optimizer and ckpt.kind != "training":
-        raise bad_request(f"{body.path} has no optimizer state (only weights/ checkpoints from save_state do)")
-    payload = encode({"uri": ckpt.uri, "with_optimizer": body.optimizer, "source_path": body.path})
+
+    def source() -> tuple[Checkpoint, bytes]:
+        ckpt = readable_checkpoint(st, owner, body.path)
+        if ckpt.kind == "external":
+            raise bad_request(f"{body.path} is an external export; load a weights/ or sampler_weights/ checkpoint")
+        if body.optimizer and ckpt.kind != "training":
+            raise bad_request(f"{body.path} has no optimizer state (only weights/ checkpoints from save_state do)")
+        return ckpt, encode({"uri": ckpt.uri, "with_optimizer": body.optimizer, "source_path": body.path})
+
     if body.model_id is not None:
         model = live_model(st, owner, body.model_id)
         if body.seq_id is None:
             raise bad_request("load_weights with model_id needs seq_id")
-        if ckpt.base_model != model.base_model:
-            raise reject(st, owner, model, "load_weights", body.seq_id,
-                         f"{body.path} is for base model {ckpt.base_model}, not {model.base_model}")
-        rid = submit(st, owner=owner, base_model=model.base_model, op="load_weights", payload=payload,
-                     model_id=model.id, seq_id=body.seq_id, reply={"path": body.path, "type": "load_weights"})
+        with sequenced(st, owner, model, "load_weights", body.seq_id):
+            ckpt, payload = source()
+            if ckpt.base_model != model.base_model:
+                raise bad_request(f"{body.path} is for base model {ckpt.base_model}, not {model.base_model}")
+            rid = submit(st, owner=owner, base_model=model.base_model, op="load_weights", payload=payload,
+                         model_id=model.id, seq_id=body.seq_id, reply={"path": body.path, "type": "load_weights"})
         return _accepted(rid, model.id)
+    ckpt, payload = source()
     if body.session_id is None or body.model_seq_id is None:
         raise bad_request("load_weights needs session_id and model_seq_id (or model_id and seq_id)")
     active_session(st, owner, body.session_id)

@@ -2,12 +2,22 @@
 both models: step-0 logprobs equal the transformers base model's, loss:sum = -sum(w * lp) in float64,
 1-D/2-D (dense and CSR) targets, list/numpy inputs, ragged lengths; the loss falls with training."""
 
+import itertools
+
 import numpy as np
-import torch
 import tinker
+import torch
 from tinker import types
 
-from tests.conformance.scenarios.common import MOE, QWEN3, arr, check_metric_keys, model_dir, reference_logprobs, tokens_of
+from tests.conformance.scenarios.common import (
+    MOE,
+    QWEN3,
+    arr,
+    check_metric_keys,
+    model_dir,
+    reference_logprobs,
+    tokens_of,
+)
 
 sc = tinker.ServiceClient(user_metadata={"purpose": "conformance"}, display_name="stage2")
 rng = np.random.default_rng(0)
@@ -69,7 +79,7 @@ for base in (QWEN3, MOE):
         check_metric_keys(r.metrics)
         losses.append(r.metrics["loss:sum"])
         assert o.result().metrics["grad_norm"] > 0
-    assert losses[-1] < 0.7 * losses[0] and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.7 * losses[0] and all(b < a for a, b in itertools.pairwise(losses)), losses
     print(base, "losses", [round(x, 2) for x in losses])
 sc.close("success").result()
 print("stages 2-3 ok")

@@ -4,9 +4,7 @@
 weights_info, publish, TTL, signed downloads, delete, sessions); another key sees none of it until
 a checkpoint is published."""
 
-import io
 import json
-import os
 import urllib.request
 
 import numpy as np

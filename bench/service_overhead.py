@@ -1,0 +1,153 @@
+"""API overhead of `ember serve`, measured against calling the engine in-process, in one run.
+
+1. Round trip of one forward_backward + optim_step through the official SDK against a live
+   `ember serve` (built-in tiny model, SQLite), versus the same two calls on an in-process Worker
+   with the same model and batch. The difference is what the service adds per step.
+2. Futures per second with 32 concurrent clients (32 adapters, each submitting optim_step and
+   waiting for it, in a loop).
+
+Usage: python bench/service_overhead.py [--steps 40] [--clients 32] [--rounds 10]
+Runs on the CPU; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch(rng, n_datums=4, length=32):
+    seqs = rng.integers(0, 500, (n_datums, length + 1))
+    return seqs
+
+
+def in_process(model_dir: Path, steps: int, seqs) -> list[float]:
+    import torch
+
+    from ember.core.adapters import LoraConfig
+    from ember.core.optim import AdamParams
+    from ember.engine.worker import Worker
+    from ember.types import Datum, ForwardBackwardInput
+
+    worker = Worker.from_pretrained(model_dir, "cpu", torch.float32, max_adapters=4, max_rank=16)
+    slot = worker.create_adapter(LoraConfig(rank=8, alpha=32, seed=0))
+    datums = [Datum(s[:-1], {"target_tokens": s[1:], "weights": np.ones(len(s) - 1, np.float32)}) for s in seqs]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        worker.forward_backward([ForwardBackwardInput(slot, datums)])
+        worker.optim_step(slot, AdamParams(learning_rate=1e-4))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def through_sdk(base_model: str, steps: int, seqs) -> list[float]:
+    import tinker
+    from tinker import types
+
+    sc = tinker.ServiceClient()
+    tc = sc.create_lora_training_client(base_model=base_model, rank=8, seed=0).result()
+    data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1].tolist()),
+                        loss_fn_inputs={"target_tokens": s[1:].tolist(), "weights": [1.0] * (len(s) - 1)})
+            for s in seqs]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        f = tc.forward_backward(data, "cross_entropy")
+        o = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        f.result()
+        o.result()
+        times.append(time.perf_counter() - t0)
+    sc.close("success").result()
+    return times
+
+
+def futures_per_second(base_model: str, clients: int, rounds: int) -> float:
+    import tinker
+    from tinker import types
+
+    sc = tinker.ServiceClient()
+    tcs = [sc.create_lora_training_client(base_model=base_model, rank=4, seed=i) for i in range(clients)]
+    tcs = [f.result() for f in tcs]
+    barrier = threading.Barrier(clients + 1)
+
+    def run(tc):
+        barrier.wait()
+        for _ in range(rounds):
+            tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+
+    threads = [threading.Thread(target=run, args=(tc,)) for tc in tcs]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    sc.close("success").result()
+    return clients * rounds / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=10)
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="ember-bench-"))
+    subprocess.run([sys.executable, "-m", "ember.engine.builtin", str(home)], check=True, stdout=subprocess.DEVNULL)
+    model_dir = home / "models" / "ember-tiny-qwen3"
+    seqs = _batch(np.random.default_rng(0))
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
+    server = subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", "--home", str(home), "--no-auth",
+                               "--port", str(port), "--max-adapters", str(args.clients + 4), "--log-level", "WARNING"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/v1/healthz") as r:
+                    if all(v == "ready" for v in json.load(r)["engines"].values()):
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        os.environ.update(TINKER_BASE_URL=base, TINKER_API_KEY="tml-bench", TINKER_TELEMETRY="0")
+        local = in_process(model_dir, args.steps, seqs)
+        remote = through_sdk("ember-tiny-qwen3", args.steps, seqs)
+        fps = futures_per_second("ember-tiny-qwen3", args.clients, args.rounds)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+    med_local, med_remote = statistics.median(local[3:]), statistics.median(remote[3:])
+    print("| measurement | value |")
+    print("|---|---|")
+    print(f"| forward_backward + optim_step, in-process Worker (median of {args.steps - 3}) | {med_local * 1e3:.1f} ms |")
+    print(f"| forward_backward + optim_step, SDK -> ember serve (median) | {med_remote * 1e3:.1f} ms |")
+    print(f"| added by the service per step (2 futures) | {(med_remote - med_local) * 1e3:.1f} ms |")
+    print(f"| futures/s, {args.clients} concurrent clients (optim_step round trips) | {fps:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

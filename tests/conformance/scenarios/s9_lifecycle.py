@@ -1,0 +1,48 @@
+"""Stage 9: lifecycle. Heartbeats arrive while a session idles; telemetry is accepted; after
+close() the session is finished: heartbeats get 410 and new requests a 410 with a body."""
+
+import time
+
+import httpx
+import numpy as np
+import tinker
+
+from ember.store import Store
+from tests.conformance.scenarios.common import CONF, QWEN3, random_datum
+
+print("start", time.time())
+key = CONF["keys"]["alice"]
+base = CONF["base_url"]
+sc = tinker.ServiceClient()
+tc = sc.create_lora_training_client(base_model=QWEN3, rank=4, seed=9).result()
+session = sc.holder.get_session_id()
+store = Store.open(CONF["database_url"], pool_size=1, run_migrations=False)
+owner = store.owner_of_key(key)
+created = store.get_session(session, owner).created_at
+time.sleep(11.5)  # the SDK heartbeats every 10 s
+row = store.get_session(session, owner)
+assert row.status == "active" and (row.last_heartbeat - created).total_seconds() >= 9, (created, row.last_heartbeat)
+
+r = httpx.post(f"{base}/api/v1/telemetry", headers={"X-API-Key": key},
+               json={"events": [], "platform": "test", "sdk_version": "0.38.0", "session_id": session, "process_uuid": "x"})
+assert r.json() == {"status": "accepted"}
+
+sc.close("success").result()
+r = httpx.post(f"{base}/api/v1/session_heartbeat", headers={"X-API-Key": key},
+               json={"session_id": session, "type": "session_heartbeat"})
+assert r.status_code == 410 and "finished" in r.json()["detail"], r.text
+assert store.get_model(tc.model_id, owner).status == "unloaded"
+try:  # the SDK itself refuses to use a closed client
+    tc.forward_backward([random_datum(np.random.default_rng(0), 4)], "cross_entropy").result()
+    raise AssertionError("a closed client must refuse requests")
+except RuntimeError as e:
+    assert "closed" in str(e)
+# Another process (e.g. an unpickled client) still sending on the session gets a 410 with a body.
+r = httpx.post(f"{base}/api/v1/optim_step", headers={"X-API-Key": key},
+               json={"model_id": tc.model_id, "seq_id": 1, "adam_params": {}, "type": "optim_step"})
+assert r.status_code == 410 and "finished" in r.json()["detail"], r.text
+r = httpx.post(f"{base}/api/v1/create_model", headers={"X-API-Key": key},
+               json={"session_id": session, "model_seq_id": 5, "base_model": QWEN3, "type": "create_model"})
+assert r.status_code == 410 and r.json()["detail"], r.text
+store.close()
+print("stage 9 ok", time.time())

@@ -81,6 +81,7 @@ def hardware_line() -> str:
             capture_output=True,
             text=True,
             timeout=20,
+            check=False,
         )
         if out.returncode == 0:
             return out.stdout.strip()

@@ -18,13 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.core.adapters import LoraConfig  # noqa: E402
-from ember.core.config import AttentionSpec, config_from_hf  # noqa: E402
-from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes  # noqa: E402
-from ember.core.layers.attention import PackedAttention, _varlen_fn  # noqa: E402
-from ember.core.loading import random_model  # noqa: E402
-from ember.engine.worker import Worker  # noqa: E402
-from ember.types import Datum, ForwardBackwardInput  # noqa: E402
+from ember.core.adapters import LoraConfig
+from ember.core.config import AttentionSpec, config_from_hf
+from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
+from ember.core.layers.attention import PackedAttention, _varlen_fn
+from ember.core.loading import random_model
+from ember.engine.worker import Worker
+from ember.types import Datum, ForwardBackwardInput
 
 FAILED = []
 

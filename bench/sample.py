@@ -40,16 +40,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import COPY_BANDWIDTH, QWEN3_8B, TINY, TINY_MOE, hardware_line, sync  # noqa: E402
-from ember.core.adapters import AdapterBank, LoraConfig  # noqa: E402
-from ember.core.batch import pack  # noqa: E402
-from ember.core.config import config_from_hf  # noqa: E402
-from ember.core.layers.attention import PackedAttention  # noqa: E402
-from ember.core.loading import random_model  # noqa: E402
-from ember.core.logprobs import token_logprobs  # noqa: E402
-from ember.core.models.base import ForwardContext  # noqa: E402
-from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule  # noqa: E402
-from ember.core.sampling.engine import EngineStats  # noqa: E402
+from bench.common import COPY_BANDWIDTH, QWEN3_8B, TINY, TINY_MOE, hardware_line, sync
+from ember.core.adapters import AdapterBank, LoraConfig
+from ember.core.batch import pack
+from ember.core.config import config_from_hf
+from ember.core.layers.attention import PackedAttention
+from ember.core.loading import random_model
+from ember.core.logprobs import token_logprobs
+from ember.core.models.base import ForwardContext
+from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule
+from ember.core.sampling.engine import EngineStats
 
 SHAPES = {"qwen3-8b": QWEN3_8B, "tiny": TINY, "tiny-moe": TINY_MOE}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     PEAK_BF16_FLOPS,
     QWEN3_8B,
     QWEN3_30B_A3B,
@@ -43,12 +43,12 @@ from bench.common import (  # noqa: E402
     time_steps,
     train_flops,
 )
-from ember.core.adapters import LoraConfig  # noqa: E402
-from ember.core.config import config_from_hf  # noqa: E402
-from ember.core.loading import build_empty, init_random  # noqa: E402
-from ember.core.optim import AdamParams  # noqa: E402
-from ember.engine.worker import Worker  # noqa: E402
-from ember.types import Datum, ForwardBackwardInput  # noqa: E402
+from ember.core.adapters import LoraConfig
+from ember.core.config import config_from_hf
+from ember.core.loading import build_empty, init_random
+from ember.core.optim import AdamParams
+from ember.engine.worker import Worker
+from ember.types import Datum, ForwardBackwardInput
 
 SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "tiny-moe": TINY_MOE}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,7 +117,6 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
     trainable = worker.adapter(used[0]).num_parameters()
     for s in list(slots):
         worker.free_adapter(s)
-    del worker
     return {
         "step_s": median(times),
         "times": times,
@@ -186,7 +185,6 @@ def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):
     times = time_steps(step, warmup, iters)
     mem = meter.stop()
     trainable = sum(p.numel() for p in params)
-    del opt, pm, hf, params
     gc.collect()
     return {
         "step_s": median(times),
@@ -234,7 +232,7 @@ def main() -> None:
     for name in args.only.split(","):
         try:
             r = plan[name]()
-        except Exception as e:  # report and go on: one failing configuration must not hide the others
+        except Exception as e:  # noqa: BLE001 - report and go on: one failing configuration must not hide the others
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}
         if "step_s" in r:

@@ -73,7 +73,7 @@ def load_model(
     remap = getattr(model, "map_checkpoint_key", None)
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 if remap is not None:
                     mapped = remap(key)
                     if mapped is not None and mapped[0] in params:

@@ -144,7 +144,7 @@ def peft_to_ember(
         if leaf in ("w1", "w2", "w3") and module.rsplit(".", 2)[-2] == "experts":
             tinker_experts.setdefault(module.rsplit(".", 1)[0], {}).setdefault(leaf, {})[factor] = t
             continue
-        if module.endswith(".experts") or module.endswith(".experts.base_layer"):
+        if module.endswith((".experts", ".experts.base_layer")):
             experts = module.removesuffix(".base_layer")
             order = config.get("target_parameters") or [f"mlp.experts.{p}" for p in _EXPERT_PARAMS]
             params = [p.rsplit(".", 1)[-1] for p in order]

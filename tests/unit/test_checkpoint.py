@@ -148,7 +148,7 @@ def test_normalize_moe_lora_export_round_trip(layout, hf_models, tmp_path):
     assert worker.adapter(slot).weights["model.layers.0.mlp.experts.down_proj"].A.shape == (8, 2, 32)
     randomise(worker.adapter(slot), seed=7, scale=0.1)
     s = random_sequences(320, [25], seed=9)[0]
-    req = lambda sl: ForwardBackwardInput(  # noqa: E731
+    req = lambda sl: ForwardBackwardInput(
         sl, [Datum(np.array(s[:-1]), {"target_tokens": np.array(s[1:])})], forward_only=True
     )
     (ref,) = worker.forward_backward([req(slot)])

@@ -87,5 +87,5 @@ SCRIPT = textwrap.dedent(
 
 def test_triton_kernels_match_torch_reference():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr

@@ -9,7 +9,7 @@ documents, which is exact and cheap at test sizes.
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ember.core.config import AttentionSpec
 
 
-@lru_cache(maxsize=None)
+@cache
 def _varlen_fn():
     try:
         from torch.nn.attention.varlen import varlen_attn

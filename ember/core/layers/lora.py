@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 @dataclass
 class LoraWeights:
     """The two factors of one adapted module (fp32 master copies; cast to the activation dtype)."""

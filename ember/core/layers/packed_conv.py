@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 def extend_with_history(
-    x: torch.Tensor, seq_lens: list[int], history: torch.Tensor | None, span: int, fill: float | int = 0
+    x: torch.Tensor, seq_lens: list[int], history: torch.Tensor | None, span: int, fill: float = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prefix each sequence of ``x`` ``[T, ...]`` with its ``span`` rows of ``history`` ``[N, span, ...]``
     (``fill`` where ``None``).

@@ -89,8 +89,24 @@ class CausalLM(nn.Module):
     config: ModelConfig
     final_logit_softcap: float | None = None
 
+    def attach(self, cfg: ModelConfig, decoder: nn.Module) -> None:
+        """Finish a family's ``__init__``: set the config and the decoder (``model``), add the LM head
+        (tied to the embedding if configured), freeze the base weights, name the LoRA modules."""
+        self.config = cfg
+        self.model = decoder
+        self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size, False, "unembed")
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.name_lora_modules()
+
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        raise NotImplementedError
+        """Final-normed hidden states ``[T, H]``; by default embedding, each layer, final norm."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
 
     @property
     def unembed_weight(self) -> torch.Tensor:

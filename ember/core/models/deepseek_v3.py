@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ember.core.config import ModelConfig
-from ember.core.layers.lora import LoraLinear, LoraRoute
+from ember.core.layers.lora import LoraRoute
 from ember.core.layers.mla import MLAConfig, MultiHeadLatentAttention, mla_softmax_scale
 from ember.core.layers.mlp import SwiGLU
 from ember.core.layers.moe import Experts
@@ -130,17 +130,4 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"{cfg.model_type}: router topk_method={method!r}, scoring_func={cfg.moe.scoring!r} is not "
                 "supported (only noaux_tc with sigmoid scores)"
             )
-        self.config = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size, False, "unembed")
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        for p in self.parameters():
-            p.requires_grad_(False)
-        self.name_lora_modules()
-
-    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+        self.attach(cfg, Decoder(cfg))

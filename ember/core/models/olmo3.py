@@ -153,17 +153,4 @@ class Olmo3ForCausalLM(CausalLM):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"olmo3: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
-        self.config = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size, False, "unembed")
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        for p in self.parameters():
-            p.requires_grad_(False)
-        self.name_lora_modules()
-
-    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+        self.attach(cfg, Decoder(cfg))

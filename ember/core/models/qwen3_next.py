@@ -14,7 +14,6 @@ from torch import nn
 from ember.core.config import ModelConfig
 from ember.core.layers.gated_attention import GatedAttention
 from ember.core.layers.gated_deltanet import GatedDeltaNet, GDNShape
-from ember.core.layers.lora import LoraLinear
 from ember.core.layers.mlp import SwiGLU
 from ember.core.layers.norms import RMSNorm
 from ember.core.layers.rope import RotaryEmbedding
@@ -85,17 +84,4 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.config = cfg
-        self.model = Qwen3NextDecoder(cfg)
-        self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size, False, "unembed")
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        for p in self.parameters():
-            p.requires_grad_(False)
-        self.name_lora_modules()
-
-    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+        self.attach(cfg, Qwen3NextDecoder(cfg))

@@ -25,7 +25,6 @@ from ember.core.config import ModelConfig
 from ember.core.layers.gated_attention import GatedAttention
 from ember.core.layers.gated_deltanet import GatedDeltaNet, GDNShape
 from ember.core.layers.hyper_connections import GatedResidual
-from ember.core.layers.lora import LoraLinear
 from ember.core.layers.ngram_memory import PLELayer
 from ember.core.layers.qsa import QSAIndexer
 from ember.core.layers.rope import RotaryEmbedding
@@ -112,14 +111,7 @@ class Qwen4ExpForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.config = cfg
-        self.model = Qwen4ExpDecoder(cfg)
-        self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size, False, "unembed")
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        for p in self.parameters():
-            p.requires_grad_(False)
-        self.name_lora_modules()
+        self.attach(cfg, Qwen4ExpDecoder(cfg))
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids).repeat(1, self.model.streams)

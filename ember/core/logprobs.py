@@ -55,8 +55,9 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return (a @ b).to(acc)
 
 
-def _chunk_logits(h, weight, lora_parts, c0, c1):
-    """Raw (uncapped) logits of tokens ``[c0, c1)`` in accumulation precision."""
+def chunk_logits(h, weight, lora_parts, c0, c1):
+    """Raw (uncapped) logits of tokens ``[c0, c1)`` in accumulation precision; ``lora_parts`` are
+    ``(start, end, scale·hA, B)`` LM-head corrections (:func:`head_lora_parts`)."""
     acc = _acc_dtype(h)
     logits = _mm_acc(h[c0:c1], weight.T, acc)
     for start, end, hA, B in lora_parts:
@@ -66,7 +67,8 @@ def _chunk_logits(h, weight, lora_parts, c0, c1):
     return logits
 
 
-def _cap(z: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def apply_softcap(z: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(c·tanh(z/c), 1 - tanh²)``, or ``(z, None)`` without a cap."""
     if softcap is None:
         return z, None
     t = torch.tanh(z / softcap)
@@ -77,7 +79,7 @@ def row_logsumexp(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """``logsumexp`` of each row of the (capped) logits."""
     if fused.use_triton(logits) and logits.dtype == torch.float32:
         return fused.row_logsumexp(logits, softcap)
-    return torch.logsumexp(_cap(logits, softcap)[0], dim=-1)
+    return torch.logsumexp(apply_softcap(logits, softcap)[0], dim=-1)
 
 
 def scaled_softmax(
@@ -86,7 +88,7 @@ def scaled_softmax(
     """``row_scale[:, None] * softmax ⊙ f`` (see module doc) in ``dtype``."""
     if fused.use_triton(logits) and logits.dtype == torch.float32:
         return fused.scaled_softmax(logits, lse, row_scale, softcap, dtype)
-    z, f = _cap(logits, softcap)
+    z, f = apply_softcap(logits, softcap)
     p = torch.exp(z - lse[:, None]) * row_scale[:, None]
     if f is not None:
         p = p * f
@@ -108,9 +110,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ones = torch.ones(T, dtype=acc, device=hidden.device) if precompute else None
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
-            logits = _chunk_logits(hidden, weight, lora_parts, c0, c1)
+            logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
             lse[c0:c1] = row_logsumexp(logits, softcap)
-            zt, ft = _cap(logits.gather(1, targets[c0:c1]), softcap)
+            zt, ft = apply_softcap(logits.gather(1, targets[c0:c1]), softcap)
             out[c0:c1] = zt - lse[c0:c1, None]
             if precompute:
                 p = scaled_softmax(logits, lse[c0:c1], ones[c0:c1], softcap, hidden.dtype)
@@ -147,10 +149,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_out = grad_out.to(acc)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
-            logits = _chunk_logits(hidden, weight, lora_parts, c0, c1)
+            logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
             g = grad_out[c0:c1]
             tgt = targets[c0:c1]
-            ft = _cap(logits.gather(1, tgt), softcap)[1]
+            ft = apply_softcap(logits.gather(1, tgt), softcap)[1]
             d = scaled_softmax(logits, lse[c0:c1], -g.sum(-1), softcap, hidden.dtype)
             del logits
             d.scatter_add_(1, tgt, (g if ft is None else g * ft).to(d.dtype))
@@ -178,6 +180,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
         )
 
 
+def head_lora_parts(
+    hidden: torch.Tensor, lora: LoraRoute | None, lora_name: str = "lm_head"
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """``(start, end, scale · hidden[start:end] @ A.T, B)`` for each adapter group of ``lora`` whose
+    adapter adapts the LM head."""
+    parts = []
+    if lora is not None:
+        for g in lora.groups:
+            w = g.adapter.weights.get(lora_name) if g.adapter is not None else None
+            if w is None or g.size == 0:
+                continue
+            hA = (hidden[g.start : g.end] @ w.A.to(hidden.dtype).T) * g.adapter.scale
+            parts.append((g.start, g.end, hA, w.B.to(hidden.dtype)))
+    return parts
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -194,14 +212,8 @@ def token_logprobs(
     if squeeze:
         targets = targets[:, None]
     chunk = chunk or default_chunk(weight.shape[0])
-    bounds, tensors = [], []
-    if lora is not None:
-        for g in lora.groups:
-            w = g.adapter.weights.get(lora_name) if g.adapter is not None else None
-            if w is None or g.size == 0:
-                continue
-            hA = (hidden[g.start : g.end] @ w.A.to(hidden.dtype).T) * g.adapter.scale
-            bounds.append((g.start, g.end))
-            tensors += [hA, w.B.to(hidden.dtype)]
-    out = _ChunkedLogprobs.apply(hidden, weight, targets, chunk, softcap, tuple(bounds), *tensors)
+    parts = head_lora_parts(hidden, lora, lora_name)
+    bounds = tuple((s, e) for s, e, _, _ in parts)
+    tensors = [t for _, _, hA, B in parts for t in (hA, B)]
+    out = _ChunkedLogprobs.apply(hidden, weight, targets, chunk, softcap, bounds, *tensors)
     return out[:, 0] if squeeze else out

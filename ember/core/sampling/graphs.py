@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ember.core.adapters import AdapterBank
 from ember.core.kernels.grouped import grouped_linear
-from ember.core.logprobs import _chunk_logits
+from ember.core.logprobs import chunk_logits
 from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
@@ -222,7 +222,7 @@ class StaticDecoder:
             max_positions=self.max_positions,
         )
         hidden = self.model.hidden_states(buf.input_ids, ctx)
-        logits = _chunk_logits(hidden, self.model.unembed_weight, [], 0, hidden.shape[0])
+        logits = chunk_logits(hidden, self.model.unembed_weight, [], 0, hidden.shape[0])
         if route is not None:
             d = route.delta("lm_head", hidden)
             if d is not None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ember.core.layers.lora import LoraRoute
-from ember.core.logprobs import _cap, _chunk_logits, default_chunk, row_logsumexp
+from ember.core.logprobs import apply_softcap, chunk_logits, default_chunk, head_lora_parts, row_logsumexp
 
 _MASK64 = (1 << 64) - 1
 
@@ -56,25 +56,17 @@ def head_logits(
 ) -> torch.Tensor:
     """Raw (uncapped) fp32 logits ``[N, V]`` of ``hidden`` ``[N, H]``: the LM head plus, for each
     adapter group of ``lora``, its LM-head LoRA (exactly the trainer's chunk computation)."""
-    parts = []
-    if lora is not None:
-        for g in lora.groups:
-            w = g.adapter.weights.get(lora_name) if g.adapter is not None else None
-            if w is None or g.size == 0:
-                continue
-            hA = (hidden[g.start : g.end] @ w.A.to(hidden.dtype).T) * g.adapter.scale
-            parts.append((g.start, g.end, hA, w.B.to(hidden.dtype)))
-    return _chunk_logits(hidden, weight, parts, 0, hidden.shape[0])
+    return chunk_logits(hidden, weight, head_lora_parts(hidden, lora, lora_name), 0, hidden.shape[0])
 
 
 def log_softmax(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """Log-probabilities of raw logits (the trainer's softcap and log-sum-exp)."""
-    return _cap(raw, softcap)[0] - row_logsumexp(raw, softcap)[:, None]
+    return apply_softcap(raw, softcap)[0] - row_logsumexp(raw, softcap)[:, None]
 
 
 def capped(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """The logits the model's distribution is defined by (softcap applied)."""
-    return _cap(raw, softcap)[0]
+    return apply_softcap(raw, softcap)[0]
 
 
 def topk_logprobs(logprobs: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ember.core import quant
 from ember.core.config import ModelConfig, load_config
 from ember.core.layers.norms import RMSNorm
 from ember.core.models import CausalLM, model_class
@@ -38,6 +39,51 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no safetensors weights in {model_dir}")
     return files
+
+
+class CheckpointReader:
+    """The tensors of a model folder by key, across shards. Quantized weights (MXFP8, NVFP4: a
+    ``X.weight`` with ``X.weight_scale`` companions, see :mod:`ember.core.quant`) read as their
+    dequantized fp32 values, and their scale tensors are not listed as keys."""
+
+    def __init__(self, model_dir: str | Path):
+        self._where: dict[str, Path] = {}
+        for path in checkpoint_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    self._where[key] = path
+        self._handles: dict[Path, object] = {}
+
+    def _raw(self, key: str) -> torch.Tensor:
+        path = self._where[key]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        return self._handles[path].get_tensor(key)
+
+    def _companions(self, key: str) -> dict[str, torch.Tensor]:
+        if not key.endswith(".weight"):
+            return {}
+        stem = key[: -len(".weight")]
+        return {sfx: self._raw(stem + sfx) for sfx in quant.SCALE_SUFFIXES if stem + sfx in self._where}
+
+    def names(self) -> list[str]:
+        """Every weight key (scale companions of quantized weights excluded)."""
+        scales = {k for k in self._where if k.endswith(quant.SCALE_SUFFIXES) and self._is_companion(k)}
+        return [k for k in self._where if k not in scales]
+
+    def _is_companion(self, key: str) -> bool:
+        for sfx in quant.SCALE_SUFFIXES:
+            if key.endswith(sfx) and key[: -len(sfx)] + ".weight" in self._where:
+                return True
+        return False
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor stored under ``key`` (dequantized to fp32 if it is stored quantized)."""
+        t = self._raw(key)
+        companions = self._companions(key)
+        if ".weight_scale" in companions:
+            return quant.dequantize(t, companions)
+        return t
 
 
 def build_empty(cfg: ModelConfig) -> CausalLM:
@@ -67,46 +113,45 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    shards: dict[str, list[tuple[int, Path, str]]] = defaultdict(list)
+    shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
     # a family whose checkpoints use other names (or layouts) than its modules maps each key:
     # ``map_checkpoint_key(key) -> (parameter name, convert or None) | None (skip)``
     remap = getattr(model, "map_checkpoint_key", None)
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                if remap is not None:
-                    mapped = remap(key)
-                    if mapped is not None and mapped[0] in params:
-                        name, convert = mapped
-                        t = f.get_tensor(key)
-                        with torch.no_grad():
-                            params[name].copy_(convert(t) if convert is not None else t)
-                        filled.add(name)
-                    continue
-                stored = key
-                if key.startswith(_TEXT_PREFIX):
-                    key = "model." + key[len(_TEXT_PREFIX) :]
-                shard = _SHARD_KEY.match(key)
-                if shard and f"{shard['param']}.weight" in params:
-                    shards[f"{shard['param']}.weight"].append((int(shard["i"]), path, stored))
-                    continue
-                m = _EXPERT_KEY.match(key)
-                if m:
-                    # experts of layers the model does not build (e.g. MTP layers) are not read
-                    if f"{m['prefix']}.gate_up_proj" in params:
-                        experts[m["prefix"]][int(m["e"])][m["proj"]] = f.get_tensor(stored)
-                    continue
-                if key in params:
-                    with torch.no_grad():
-                        params[key].copy_(f.get_tensor(stored))
-                    filled.add(key)
+    reader = CheckpointReader(model_dir)
+    for key in reader.names():
+        if remap is not None:
+            mapped = remap(key)
+            if mapped is not None and mapped[0] in params:
+                name, convert = mapped
+                t = reader.get(key)
+                with torch.no_grad():
+                    params[name].copy_(convert(t) if convert is not None else t)
+                filled.add(name)
+            continue
+        stored = key
+        if key.startswith(_TEXT_PREFIX):
+            key = "model." + key[len(_TEXT_PREFIX) :]
+        shard = _SHARD_KEY.match(key)
+        if shard and f"{shard['param']}.weight" in params:
+            shards[f"{shard['param']}.weight"].append((int(shard["i"]), stored))
+            continue
+        m = _EXPERT_KEY.match(key)
+        if m:
+            # experts of layers the model does not build (e.g. MTP layers) are not read
+            if f"{m['prefix']}.gate_up_proj" in params:
+                experts[m["prefix"]][int(m["e"])][m["proj"]] = reader.get(stored)
+            continue
+        if key in params:
+            with torch.no_grad():
+                params[key].copy_(reader.get(stored))
+            filled.add(key)
     for name, parts in shards.items():
         row = 0
-        for _, path, stored in sorted(parts):
-            with safe_open(str(path), framework="pt", device="cpu") as f, torch.no_grad():
-                t = f.get_tensor(stored)
+        for _, stored in sorted(parts):
+            t = reader.get(stored)
+            with torch.no_grad():
                 params[name][row : row + t.shape[0]].copy_(t)
-                row += t.shape[0]
+            row += t.shape[0]
         if row != params[name].shape[0]:
             raise ValueError(f"{name}: checkpoint shards hold {row} rows, model expects {params[name].shape[0]}")
         filled.add(name)

@@ -61,29 +61,20 @@ class CheckpointReader:
         return self._handles[path].get_tensor(key)
 
     def _companions(self, key: str) -> dict[str, torch.Tensor]:
-        if not key.endswith(".weight"):
-            return {}
-        stem = key[: -len(".weight")]
-        return {sfx: self._raw(stem + sfx) for sfx in quant.SCALE_SUFFIXES if stem + sfx in self._where}
+        return {sfx: self._raw(key + sfx) for sfx in quant.SCALE_SUFFIXES if key + sfx in self._where}
 
     def names(self) -> list[str]:
         """Every weight key (scale companions of quantized weights excluded)."""
-        scales = {k for k in self._where if k.endswith(quant.SCALE_SUFFIXES) and self._is_companion(k)}
-        return [k for k in self._where if k not in scales]
+        return [k for k in self._where if not self._is_companion(k)]
 
     def _is_companion(self, key: str) -> bool:
-        for sfx in quant.SCALE_SUFFIXES:
-            if key.endswith(sfx) and key[: -len(sfx)] + ".weight" in self._where:
-                return True
-        return False
+        return any(key.endswith(sfx) and key[: -len(sfx)] in self._where for sfx in quant.SCALE_SUFFIXES)
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor stored under ``key`` (dequantized to fp32 if it is stored quantized)."""
         t = self._raw(key)
         companions = self._companions(key)
-        if ".weight_scale" in companions:
-            return quant.dequantize(t, companions)
-        return t
+        return quant.dequantize(t, companions) if "_scale" in companions else t
 
 
 def build_empty(cfg: ModelConfig) -> CausalLM:

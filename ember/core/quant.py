@@ -26,7 +26,9 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 # E2M1 magnitudes by code (bit 3 is the sign)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+# companions of a stored weight ``K``: ``K + "_scale"`` (block scales), ``K + "_scale_2"`` (NVFP4's
+# global scale); for ``X.weight`` these are ``X.weight_scale`` / ``X.weight_scale_2``
+SCALE_SUFFIXES = ("_scale", "_scale_2")
 
 
 def _e2m1_table(device: torch.device) -> torch.Tensor:
@@ -107,11 +109,11 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def dequantize(weight: torch.Tensor, companions: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Dequantize a stored ``X.weight`` given its ``{suffix: tensor}`` companions (``.weight_scale``,
-    ``.weight_scale_2``): NVFP4 when a global scale is present, else MXFP8."""
-    scale = companions.get(".weight_scale")
+    """Dequantize a stored weight given its ``{suffix: tensor}`` companions (``_scale``,
+    ``_scale_2``): NVFP4 when a global scale is present, else MXFP8."""
+    scale = companions.get("_scale")
     if scale is None:
-        raise ValueError("quantized weight without .weight_scale")
-    if ".weight_scale_2" in companions:
-        return dequant_nvfp4(weight, scale, companions[".weight_scale_2"])
+        raise ValueError("quantized weight without a _scale companion")
+    if "_scale_2" in companions:
+        return dequant_nvfp4(weight, scale, companions["_scale_2"])
     return dequant_mxfp8(weight, scale)

@@ -80,12 +80,16 @@ def _status(args: argparse.Namespace) -> int:
 
     from ember.store import Store
     from ember.store.models import Session, TrainingModel
+    from ember.store.repo import utcnow
 
     store = Store.open(_database_url(args))
     print("ENGINES")
+    now = utcnow()
     for e in store.engines():
+        stale = e.status == "ready" and e.heartbeat_at is not None and (now - e.heartbeat_at).total_seconds() > 10
+
         tps = e.tokens / e.busy_seconds if e.busy_seconds else 0.0
-        print(f"  {e.base_model}: {e.status} pid={e.pid} generation={e.generation} passes={e.passes} "
+        print(f"  {e.base_model}: {e.status}{' (no heartbeat for >10 s)' if stale else ''} pid={e.pid} generation={e.generation} passes={e.passes} "
               f"tokens={e.tokens} ({tps:.0f} tok/s busy) heartbeat={e.heartbeat_at and e.heartbeat_at.strftime('%H:%M:%S')}"
               + (f" detail={e.detail}" if e.detail else ""))
     print("QUEUE (futures by base model and state)")

@@ -26,6 +26,7 @@ import torch
 
 from ember.core.adapters import AdapterBankFull, LoraConfig
 from ember.core.optim import AdamParams
+from ember.doorbell import Doorbell
 from ember.engine import scheduler
 from ember.engine.worker import Worker
 from ember.jsonlog import setup_logging
@@ -67,6 +68,7 @@ class EngineService:
         gap_timeout_s: float = 300.0,
         max_idle_poll_s: float = 0.02,
         model_path: str | Path | None = None,
+        doorbell: Doorbell | None = None,
     ):
         self.store = store
         self.storage = storage
@@ -79,6 +81,7 @@ class EngineService:
         self.slots: dict[str, int] = {}  # model id -> adapter slot
         self.sampler_slots: dict[str, int] = {}  # sampler id -> adapter slot (0: the base model)
         self.model_path = model_path
+        self.doorbell = doorbell
         self._detokenize = None
         self._last_beat = 0.0
 
@@ -97,8 +100,12 @@ class EngineService:
             if now - self._last_beat > 2.0:
                 self.store.engine_progress(self.base_model, 0, 0, 0.0)
                 self._last_beat = now
-            time.sleep(idle)
-            idle = min(self.max_idle_poll_s, idle * 1.5)
+            if self.doorbell is not None and self.doorbell.wait(idle):
+                idle = 0.001
+            else:
+                if self.doorbell is None:
+                    time.sleep(idle)
+                idle = min(self.max_idle_poll_s, idle * 1.5)
 
     def step(self) -> bool:
         """Plan and run one batch of work; returns whether there was any."""
@@ -445,19 +452,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     store = Store.open(args.database_url, pool_size=2, run_migrations=False)
     caps = ["train", "sample"] if hasattr(Worker, "sample") else ["train"]
-    store.register_engine(args.base_model, os.getpid(), caps)
+    doorbell = Doorbell()
+    store.register_engine(args.base_model, os.getpid(), caps, doorbell.port)
     worker = Worker.from_pretrained(
         args.model_path, args.device, getattr(torch, dtype_name), max_adapters=args.max_adapters, max_rank=args.max_rank
     )
     service = EngineService(
         store, Storage(args.storage), args.base_model, worker, token_budget=args.token_budget,
-        gap_timeout_s=args.gap_timeout, model_path=args.model_path,
+        gap_timeout_s=args.gap_timeout, model_path=args.model_path, doorbell=doorbell,
     )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     orphaned = (lambda: os.getppid() != args.parent_pid) if args.parent_pid else (lambda: False)
     service.run(should_stop=lambda: bool(stopping) or orphaned())
+    store.engine_ready(args.base_model, "stopped")
     return 0
 
 

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ember import doorbell
 from ember.server import metrics
 from ember.server.auth import Authenticator
 from ember.server.config import ServerConfig
@@ -39,6 +40,15 @@ class EmberState:
     auth: Authenticator
     waiter: FutureWaiter
     secret: str
+    _doorbells: tuple[float, dict[str, int | None]] = (0.0, {})
+
+    def ring(self, base_model: str) -> None:
+        """Wake the engine of ``base_model`` if it runs on this host (``ember.doorbell``)."""
+        checked, ports = self._doorbells
+        if time.monotonic() - checked > 2.0 or base_model not in ports:
+            ports = {e.base_model: e.doorbell_port for e in self.store.engines()}
+            self._doorbells = (time.monotonic(), ports)
+        doorbell.ring(ports.get(base_model))
 
 
 class BodyLimit:
@@ -80,6 +90,35 @@ class BodyLimit:
         except _TooLarge:
             if not started:
                 await _send_json(send, 413, f"request body exceeds the limit of {self.limit} bytes")
+
+
+class AccessLog:
+    """ASGI middleware: one structured log line and the Prometheus counters per request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            seconds = time.perf_counter() - t0
+            route = scope.get("route")
+            metrics.observe_request(scope["method"], getattr(route, "path", "unmatched"), status, seconds)
+            sdk_method = next((v.decode() for k, v in scope.get("headers", ()) if k == b"x-sdk-method"), None)
+            log.info("request", extra={"method": scope["method"], "path": scope["path"], "status": status,
+                                       "ms": round(seconds * 1000, 2), "sdk_method": sdk_method})
 
 
 class _TooLarge(Exception):
@@ -156,23 +195,9 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         log.exception("unhandled error", extra={"path": request.url.path})
         return JSONResponse({"detail": f"internal server error: {type(exc).__name__}: {exc}"}, status_code=500)
 
-    @app.middleware("http")
-    async def _access_log(request: Request, call_next):
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        seconds = time.perf_counter() - t0
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.observe_request(request.method, path, response.status_code, seconds)
-        log.info(
-            "request",
-            extra={"method": request.method, "path": request.url.path, "status": response.status_code,
-                   "ms": round(seconds * 1000, 2), "sdk_method": request.headers.get("x-sdk-method")},
-        )
-        return response
-
     for module in (service, training, futures, sampling, rest):
         app.include_router(module.router)
     app.include_router(metrics.router)
+    app.add_middleware(AccessLog)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app

@@ -15,7 +15,7 @@ from ember.store import Store
 class FutureWaiter:
     """``await wait(request_id, timeout)`` returns True once the request is done or failed."""
 
-    def __init__(self, store: Store, interval_s: float = 0.004):
+    def __init__(self, store: Store, interval_s: float = 0.002):
         self.store = store
         self.interval_s = interval_s
         self._waiters: dict[str, list[asyncio.Future]] = defaultdict(list)

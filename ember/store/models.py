@@ -162,6 +162,8 @@ class EngineRecord(Base):
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
     generation: Mapped[int] = mapped_column(Integer, default=0)
     capabilities: Mapped[list] = mapped_column(JSON, default=list)  # e.g. ["train", "sample"]
+    # UDP port on 127.0.0.1 where the engine listens for "work queued" datagrams (see ember.doorbell)
+    doorbell_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     passes: Mapped[int] = mapped_column(Integer, default=0)

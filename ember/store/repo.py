@@ -244,6 +244,14 @@ class Store:
 
     # -- models -----------------------------------------------------------------------------------
 
+    def model_and_session(self, model_id: str, owner: str) -> tuple[TrainingModel | None, Session | None]:
+        """The owner's model and its session, in one read."""
+        with self.read() as s:
+            m = s.get(TrainingModel, model_id)
+            if m is None or m.owner != owner:
+                return None, None
+            return m, s.get(Session, m.session_id)
+
     def get_model(self, model_id: str, owner: str | None) -> TrainingModel | None:
         """The model if it exists and ``owner`` owns it (any owner when ``owner`` is None)."""
         with self.read() as s:
@@ -349,13 +357,15 @@ class Store:
         )
         return fid
 
+    @staticmethod
+    def _keyed_query(model_id: str | None, sampler_id: str | None, seq_id: int):
+        if model_id is not None:
+            return select(Future.id).where(Future.model_id == model_id, Future.seq_id == seq_id)
+        return select(Future.id).where(Future.sampler_id == sampler_id, Future.seq_id == seq_id)
+
     def _existing(self, model_id: str | None, sampler_id: str | None, seq_id: int) -> str | None:
         with self.read() as s:
-            if model_id is not None:
-                q = select(Future.id).where(Future.model_id == model_id, Future.seq_id == seq_id)
-            else:
-                q = select(Future.id).where(Future.sampler_id == sampler_id, Future.seq_id == seq_id)
-            return s.scalar(q)
+            return s.scalar(self._keyed_query(model_id, sampler_id, seq_id))
 
     def submit(
         self,
@@ -379,12 +389,12 @@ class Store:
         ``checkpoint`` is registered (pending) in the same transaction, refusing a name clash
         unless ``overwrite``."""
         keyed = seq_id is not None and (model_id is not None or sampler_id is not None)
-        if keyed:
-            fid = self._existing(model_id, sampler_id, seq_id)  # type: ignore[arg-type]
-            if fid is not None:
-                return fid
         try:
             with self.write() as s:
+                if keyed:  # a resubmission: answer the original request (checked inside the lock)
+                    fid = s.scalar(self._keyed_query(model_id, sampler_id, seq_id))  # type: ignore[arg-type]
+                    if fid is not None:
+                        return fid
                 if model_id is not None:
                     m = s.get(TrainingModel, model_id)
                     if m is not None:
@@ -514,7 +524,9 @@ class Store:
                         update(Checkpoint).where(Checkpoint.tinker_path == path).values(state=state, size_bytes=size)
                     )
 
-    def register_engine(self, base_model: str, pid: int, capabilities: Sequence[str] = ("train",)) -> int:
+    def register_engine(
+        self, base_model: str, pid: int, capabilities: Sequence[str] = ("train",), doorbell_port: int | None = None
+    ) -> int:
         """Record a (re)started engine; returns its generation."""
         now = utcnow()
         with self.write() as s:
@@ -525,11 +537,13 @@ class Store:
             row.generation = (row.generation or 0) + 1
             row.pid, row.status, row.detail, row.started_at, row.heartbeat_at = pid, "starting", None, now, now
             row.capabilities = list(capabilities)
+            row.doorbell_port = doorbell_port
             return row.generation
 
-    def engine_ready(self, base_model: str) -> None:
+    def engine_ready(self, base_model: str, status: str = "ready") -> None:
+        """Set the engine's status (``ready``; ``stopped`` when it exits cleanly)."""
         with self.write() as s:
-            s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(status="ready"))
+            s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(status=status))
 
     def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float) -> None:
         """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens)."""

@@ -57,15 +57,11 @@ def expiry(ttl_seconds: int | None) -> datetime | None:
 def live_model(st: EmberState, owner: str, model_id: str) -> TrainingModel:
     """The owner's model, ready to take requests: 404 if unknown, 410 if its session or the model
     ended, 400 if its creation failed."""
-    model = st.store.get_model(model_id, owner)
-    if model is None:
+    model, session = st.store.model_and_session(model_id, owner)
+    if model is None or session is None:
         raise not_found(f"model {model_id!r}")
-    try:
-        st.store.active_session(model.session_id, owner)
-    except Gone as e:
-        raise gone(str(e)) from None
-    except KeyError:
-        raise not_found(f"model {model_id!r}") from None
+    if session.status != "active":
+        raise gone(f"session {session.id!r} is {session.status} ({session.end_reason}); start a new ServiceClient")
     if model.status in ("lost", "unloaded"):
         raise gone(f"model {model_id} is {model.status}: {model.status_detail}")
     if model.status == "failed":
@@ -109,9 +105,11 @@ def readable_checkpoint(st: EmberState, owner: str, path: str) -> Checkpoint:
 def submit(st: EmberState, **kwargs) -> str:
     """``Store.submit`` with its conflicts reported as 400 (never 409: the SDK retries those)."""
     try:
-        return st.store.submit(**kwargs)
+        rid = st.store.submit(**kwargs)
     except Conflict as e:
         raise bad_request(str(e)) from None
+    st.ring(kwargs["base_model"])
+    return rid
 
 
 @contextmanager

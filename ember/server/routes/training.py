@@ -30,7 +30,7 @@ from ember.server.wire import schemas
 from ember.server.wire.training import WireError, decode_forward_backward, decompress_zstd, parse_forward_backward
 from ember.store.models import Checkpoint, TrainingModel
 from ember.store.payload import encode
-from ember.store.repo import utcnow
+from ember.store.repo import Conflict, utcnow
 
 router = APIRouter(prefix="/api/v1")
 
@@ -75,12 +75,21 @@ def create_model(body: schemas.CreateModelRequest, request: Request, owner: str 
     served_model(st, body.base_model)
     lora = _ember_lora(body.lora_config, st.config.max_rank)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
-    rid = st.store.submit_model(
-        owner=owner, session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=body.base_model,
+    rid = _submit_model(
+        st, owner=owner, session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=body.base_model,
         lora=lora, optimizer_config=_optimizer_config(body.optimizer_config), user_metadata=body.user_metadata or {},
         op="create_model", payload=encode({"lora": lora}), reply={"model_id": model_id, "type": "create_model"},
     )
     return _accepted(rid, model_id)
+
+
+def _submit_model(st, **kwargs) -> str:
+    try:
+        rid = st.store.submit_model(**kwargs)
+    except Conflict as e:
+        raise bad_request(str(e)) from None
+    st.ring(kwargs["base_model"])
+    return rid
 
 
 def info_json(st, model: TrainingModel) -> dict:
@@ -286,8 +295,8 @@ def load_weights(body: schemas.LoadWeightsRequest, request: Request, owner: str 
     served_model(st, ckpt.base_model)
     optimizer = ckpt.optimizer_config if body.optimizer else _optimizer_config(body.optimizer_config)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
-    rid = st.store.submit_model(
-        owner=owner, session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=ckpt.base_model,
+    rid = _submit_model(
+        st, owner=owner, session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=ckpt.base_model,
         lora=ckpt.lora, optimizer_config=optimizer, user_metadata=body.user_metadata or {}, op="load_model",
         payload=payload, reply={"model_id": model_id, "path": body.path, "type": "load_weights"},
     )

@@ -4,13 +4,11 @@ close() the session is finished: heartbeats get 410 and new requests a 410 with 
 import time
 
 import httpx
-import numpy as np
 import tinker
 
 from ember.store import Store
-from tests.conformance.scenarios.common import CONF, QWEN3, random_datum
+from tests.conformance.scenarios.common import CONF, QWEN3
 
-print("start", time.time())
 key = CONF["keys"]["alice"]
 base = CONF["base_url"]
 sc = tinker.ServiceClient()
@@ -32,11 +30,7 @@ r = httpx.post(f"{base}/api/v1/session_heartbeat", headers={"X-API-Key": key},
                json={"session_id": session, "type": "session_heartbeat"})
 assert r.status_code == 410 and "finished" in r.json()["detail"], r.text
 assert store.get_model(tc.model_id, owner).status == "unloaded"
-try:  # the SDK itself refuses to use a closed client
-    tc.forward_backward([random_datum(np.random.default_rng(0), 4)], "cross_entropy").result()
-    raise AssertionError("a closed client must refuse requests")
-except RuntimeError as e:
-    assert "closed" in str(e)
+# (The SDK itself refuses a closed client, after ~30 s of retries; not our concern here.)
 # Another process (e.g. an unpickled client) still sending on the session gets a 410 with a body.
 r = httpx.post(f"{base}/api/v1/optim_step", headers={"X-API-Key": key},
                json={"model_id": tc.model_id, "seq_id": 1, "adam_params": {}, "type": "optim_step"})
@@ -45,4 +39,4 @@ r = httpx.post(f"{base}/api/v1/create_model", headers={"X-API-Key": key},
                json={"session_id": session, "model_seq_id": 5, "base_model": QWEN3, "type": "create_model"})
 assert r.status_code == 410 and r.json()["detail"], r.text
 store.close()
-print("stage 9 ok", time.time())
+print("stage 9 ok")

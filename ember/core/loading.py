@@ -77,6 +77,14 @@ class CheckpointReader:
         return quant.dequantize(t, companions) if "_scale" in companions else t
 
 
+def _fill(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """Copy a checkpoint tensor into a parameter, naming both when their shapes disagree."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint tensor {what} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
 def build_empty(cfg: ModelConfig) -> CausalLM:
     """The model's modules on the meta device (no memory), ready to be materialised."""
     with torch.device("meta"):
@@ -115,8 +123,7 @@ def load_model(
             if mapped is not None and mapped[0] in params:
                 name, convert = mapped
                 t = reader.get(key)
-                with torch.no_grad():
-                    params[name].copy_(convert(t) if convert is not None else t)
+                _fill(params[name], convert(t) if convert is not None else t, key)
                 filled.add(name)
             continue
         stored = key
@@ -133,8 +140,7 @@ def load_model(
                 experts[m["prefix"]][int(m["e"])][m["proj"]] = reader.get(stored)
             continue
         if key in params:
-            with torch.no_grad():
-                params[key].copy_(reader.get(stored))
+            _fill(params[key], reader.get(stored), stored)
             filled.add(key)
     for name, parts in shards.items():
         row = 0
@@ -153,12 +159,14 @@ def load_model(
         n = gate_up.shape[0]
         if sorted(per_expert) != list(range(n)):
             raise ValueError(f"{prefix}: checkpoint has experts {sorted(per_expert)[:5]}…, model expects {n}")
-        with torch.no_grad():
-            for e, t in per_expert.items():
-                inter = t["gate_proj"].shape[0]
-                gate_up[e, :inter].copy_(t["gate_proj"])
-                gate_up[e, inter:].copy_(t["up_proj"])
-                down[e].copy_(t["down_proj"])
+        inter = gate_up.shape[1] // 2
+        for e, t in per_expert.items():
+            missing = {"gate_proj", "up_proj", "down_proj"} - set(t)
+            if missing:
+                raise ValueError(f"checkpoint lacks {prefix}.{e}.{min(missing)}.weight")
+            _fill(gate_up[e, :inter], t["gate_proj"], f"{prefix}.{e}.gate_proj.weight")
+            _fill(gate_up[e, inter:], t["up_proj"], f"{prefix}.{e}.up_proj.weight")
+            _fill(down[e], t["down_proj"], f"{prefix}.{e}.down_proj.weight")
         filled |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
     if cfg.tie_word_embeddings:
         filled.add("lm_head.weight")

@@ -68,3 +68,30 @@ def test_unknown_family_is_a_clear_error(tmp_path):
                                                       "num_attention_heads": 2, "num_hidden_layers": 1}))
     with pytest.raises(ValueError, match="gpt2"):
         load_model(tmp_path)
+
+
+def test_bad_checkpoints_name_the_problem(hf_models, tmp_path):
+    """A missing tensor or a wrong shape is reported by name, not as a bare torch error."""
+    from safetensors.torch import load_file, save_file
+
+    _, path = hf_models["qwen3_moe"]
+    tensors = load_file(str(path / "model.safetensors"))
+    cfg = (path / "config.json").read_text()
+    for case, broken in {
+        "missing": {k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_norm.weight"},
+        "shape": {**tensors, "model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 64)},
+        "expert": {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.experts.3.up_proj.weight"},
+    }.items():
+        d = tmp_path / case
+        d.mkdir()
+        (d / "config.json").write_text(cfg)
+        save_file(broken, str(d / "model.safetensors"))
+        with pytest.raises(ValueError) as err:
+            load_model(d)
+        message = str(err.value)
+        expected = {
+            "missing": "model.layers.1.self_attn.k_norm.weight",
+            "shape": "model.layers.0.self_attn.q_proj.weight has shape (3, 64)",
+            "expert": "model.layers.0.mlp.experts.3.up_proj.weight",
+        }[case]
+        assert expected in message, message

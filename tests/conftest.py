@@ -21,3 +21,12 @@ def hf_models(tmp_path_factory):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add contention on a small shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

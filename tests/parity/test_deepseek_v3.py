@@ -24,16 +24,6 @@ from tests.lora_helpers import peft_grads_as_ember, peft_model_like, randomise
 from tests.parity.test_families import ember_logprobs, hf_logprobs
 from tests.tiny_models import random_sequences
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matrices: threads only add contention on a shared machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 BASE = {
     "vocab_size": 320,
     "hidden_size": 64,

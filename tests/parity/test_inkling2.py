@@ -78,15 +78,6 @@ TINY = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny matrices: threads only add contention on a shared machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def build_hf_inkling2(seed: int = 0):
     import transformers as tf
 

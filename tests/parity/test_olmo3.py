@@ -15,16 +15,6 @@ from tests.parity.test_deepseek_v3 import check_decoding, peft_lora_check
 from tests.parity.test_families import ember_logprobs, hf_logprobs
 from tests.tiny_models import random_sequences
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matrices: threads only add contention on a shared machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 WINDOW = 8
 SEQ_LENS = [17, 70, 5, 40]  # all but one longer than the window
 

@@ -26,14 +26,6 @@ VOCAB = 320
 CFG = SamplerConfig(max_seqs=8, page_size=4, kv_tokens=1024)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matrices: threads only add contention on a shared machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _worker(path, config=CFG, **kw) -> Worker:
     return Worker.from_pretrained(path, "cpu", torch.float32, sampler_config=config, **kw)

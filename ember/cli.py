@@ -20,6 +20,31 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _train(args: argparse.Namespace) -> int:
+    """``ember rl`` / ``ember sft``: load the config, run, print the held-out metrics."""
+    import logging
+
+    from ember.rl.config import RLConfig, SFTConfig, load_config, to_dict
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cls = RLConfig if args.command == "rl" else SFTConfig
+    try:
+        cfg = load_config(cls, args.config, args.set)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"ember {args.command}: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(to_dict(cfg), indent=2))
+        return 0
+    if args.command == "rl":
+        from ember.rl.trainer import run_rl as run
+    else:
+        from ember.rl.sft import run_sft as run
+    result = run(cfg)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _database_url(args: argparse.Namespace) -> str:
     from ember.store.db import default_sqlite_url
 
@@ -184,6 +209,28 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--out", type=Path, default=None, help="folder for checkpoints and PEFT exports")
     demo.set_defaults(func=_demo)
+    from ember.rl.config import RLConfig, SFTConfig, describe_keys
+
+    for name, what, cls in (
+        ("rl", "RL (GRPO / DAPO / PPO / CISPO / GSPO) on a task through a Tinker-compatible service", RLConfig),
+        ("sft", "supervised fine-tuning through a Tinker-compatible service", SFTConfig),
+    ):
+        p = sub.add_parser(
+            name, help=what, formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="config keys (defaults; task options: kind = arithmetic | arithmetic_chain | math, with "
+            "min_digits, max_digits, b_digits, ops, num_eval, grading, reward, turns, template | path, "
+            "eval_path, question_key, answer_key, eval_fraction):\n" + describe_keys(cls),
+            description=f"{what[0].upper() + what[1:]} (ember.rl; only the public tinker client API). The service is "
+            "$TINKER_BASE_URL (or base_url in the config) with $TINKER_API_KEY. Writes metrics.jsonl, "
+            "checkpoints.jsonl, config.json and plots/*.png to log_dir; a run whose log_dir holds a checkpoint "
+            "resumes from it (weights, optimizer, data position, RNG). Example configs: examples/arithmetic/.",
+        )
+        p.add_argument("--config", "-c", type=Path, default=None, help="a .toml, .yaml or .json config file")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key (dotted for sections: loss.kind=cispo, sampling.max_tokens=8, "
+                       "task.max_digits=3); repeatable")
+        p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.set_defaults(func=_train)
     args = parser.parse_args(argv)
     return args.func(args)
 

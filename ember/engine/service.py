@@ -80,6 +80,12 @@ class EngineService:
         self.max_idle_poll_s = max_idle_poll_s
         self.slots: dict[str, int] = {}  # model id -> adapter slot
         self.sampler_slots: dict[str, int] = {}  # sampler id -> adapter slot (0: the base model)
+        # Samplers whose adapter was moved out of the bank to make room (see _allocate):
+        # sampler id -> a folder with its weights (snapshots) or None (reloaded from its checkpoint).
+        self.parked: dict[str, Path | None] = {}
+        self._sampler_used: dict[str, float] = {}  # sampler id -> last use, for least-recently-used parking
+        self._snapshots: set[str] = set()  # samplers over in-memory snapshots (parking must save them)
+        self._park_dir: tempfile.TemporaryDirectory | None = None  # removed when the engine exits
         self.model_path = model_path
         self.doorbell = doorbell
         self._detokenize = None
@@ -188,13 +194,21 @@ class EngineService:
 
     # -- sampling -----------------------------------------------------------------------------------
 
-    def _sampler_slot(self, sampler_id: str, p: dict) -> int:
+    def _sampler_slot(self, sampler_id: str, p: dict, keep: frozenset[str] = frozenset()) -> int:
         """The slot a sampler reads: 0 for the base model, else its adapter, loaded from its
-        checkpoint on first use."""
+        checkpoint on first use (or back from where it was parked); ``keep``: samplers of the
+        batch being assembled, which must not be parked to make room."""
+        self._sampler_used[sampler_id] = time.monotonic()
         slot = self.sampler_slots.get(sampler_id)
         if slot is not None:
             return slot
         uri = p.get("weights_uri")
+        folder = self.parked.pop(sampler_id, None)
+        if folder is not None:  # a parked snapshot comes back from its folder
+            slot = self._allocate(lambda: self.worker.load_adapter(folder, with_optimizer=False), keep)
+            shutil.rmtree(folder, ignore_errors=True)
+            self.sampler_slots[sampler_id] = slot
+            return slot
         if p.get("kind") == "snapshot":
             raise UserError(f"sampler {sampler_id}'s weight snapshot is gone (the engine restarted); "
                             "call save_weights_and_get_sampling_client again")
@@ -203,11 +217,41 @@ class EngineService:
         else:
             with self._local_copy(uri) as path:
                 try:
-                    slot = self.worker.load_adapter(path, with_optimizer=False)
+                    slot = self._allocate(lambda: self.worker.load_adapter(path, with_optimizer=False), keep)
                 except (ValueError, FileNotFoundError) as e:
                     raise UserError(f"cannot load the sampler's weights {p.get('model_path')}: {e}") from None
         self.sampler_slots[sampler_id] = slot
         return slot
+
+    def _allocate(self, fill: Callable[[], int], keep: frozenset[str] = frozenset()) -> int:
+        """Run ``fill`` (which takes a free adapter slot); while the bank is full, park the least
+        recently used sampler adapter outside ``keep`` and try again.
+
+        Every ``save_weights_and_get_sampling_client`` makes a snapshot sampler, and the SDK has no
+        call that releases one before its session ends, so an RL loop (one snapshot per step) would
+        otherwise fill the bank after ``--max-adapters`` steps. Parking keeps every sampler valid:
+        a snapshot's weights go to a local folder and come back on its next request; a sampler
+        loaded from a checkpoint is simply reloaded from it. Training adapters are never parked."""
+        while True:
+            try:
+                return fill()
+            except AdapterBankFull:
+                idle = [sid for sid, slot in self.sampler_slots.items() if slot and sid not in keep]
+                if not idle:
+                    raise
+                self._park(min(idle, key=lambda sid: self._sampler_used.get(sid, 0.0)))
+
+    def _park(self, sampler_id: str) -> None:
+        slot = self.sampler_slots.pop(sampler_id)
+        folder = None
+        if sampler_id in self._snapshots:
+            if self._park_dir is None:
+                self._park_dir = tempfile.TemporaryDirectory(prefix="ember-parked-samplers-")
+            folder = Path(self._park_dir.name) / sampler_id.replace("/", "_")
+            self.worker.save_adapter(slot, folder, with_optimizer=False, overwrite=True)
+        self.worker.free_adapter(slot)
+        self.parked[sampler_id] = folder
+        log.info("sampler parked", extra={"sampler_id": sampler_id, "slot": slot})
 
     def detokenize(self, ids) -> str:
         """The model's tokenizer decode (for stop strings), loaded on first use."""
@@ -226,7 +270,8 @@ class EngineService:
         for f in futures:
             p = decode(payloads[f.id])  # type: ignore[arg-type]
             try:
-                slot = self._sampler_slot(f.sampler_id, p)  # type: ignore[arg-type]
+                in_batch = frozenset(g.sampler_id for g, _ in inputs)  # type: ignore[misc]
+                slot = self._sampler_slot(f.sampler_id, p, in_batch)  # type: ignore[arg-type]
             except (UserError, AdapterBankFull) as e:
                 outcomes.append((f.id, None, str(e), "user"))
                 continue
@@ -312,13 +357,14 @@ class EngineService:
             raise UserError(str(e)) from None
         if f.model_id in self.slots:  # an engine restart never reuses ids; be safe anyway
             self.worker.free_adapter(self.slots.pop(f.model_id))  # type: ignore[arg-type]
-        self.slots[f.model_id] = self.worker.create_adapter(config)  # type: ignore[index]
+        self.slots[f.model_id] = self._allocate(lambda: self.worker.create_adapter(config))  # type: ignore[index]
         return {}, ("active", None)
 
     def _op_load_model(self, f: PendingFuture, p: dict):
         with self._local_copy(p["uri"]) as path:
             try:
-                self.slots[f.model_id] = self.worker.load_adapter(path, p["with_optimizer"])  # type: ignore[index]
+                self.slots[f.model_id] = self._allocate(  # type: ignore[index]
+                    lambda: self.worker.load_adapter(path, p["with_optimizer"]))
             except (ValueError, FileNotFoundError) as e:
                 raise UserError(f"cannot load {p.get('source_path')}: {e}") from None
         return {}, ("active", None)
@@ -341,13 +387,22 @@ class EngineService:
 
     def _op_snapshot_sampler(self, f: PendingFuture, p: dict):
         """``save_weights_and_get_sampling_client``: freeze the model's current weights for a sampler."""
-        self.sampler_slots[p["sampler_id"]] = self.worker.snapshot_adapter(self._slot(f.model_id))
-        return {"sampling_session_id": p["sampler_id"]}, None
+        source = self._slot(f.model_id)
+        sid = p["sampler_id"]
+        self.sampler_slots[sid] = self._allocate(lambda: self.worker.snapshot_adapter(source))
+        self._snapshots.add(sid)
+        self._sampler_used[sid] = time.monotonic()
+        return {"sampling_session_id": sid}, None
 
     def _op_unload_sampler(self, f: PendingFuture, p: dict):
         slot = self.sampler_slots.pop(f.sampler_id, None)  # type: ignore[arg-type]
         if slot:
             self.worker.free_adapter(slot)
+        folder = self.parked.pop(f.sampler_id, None)  # type: ignore[arg-type]
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._snapshots.discard(f.sampler_id)  # type: ignore[arg-type]
+        self._sampler_used.pop(f.sampler_id, None)  # type: ignore[arg-type]
         return {}, None
 
     def _op_optim_step(self, f: PendingFuture, p: dict):

@@ -1,0 +1,196 @@
+"""Diagnostics for the sampler on the GPU: where a decode step's time goes, and where the bf16
+rollout/trainer log-probability gap comes from.
+
+Part ``steps`` (workload a of bench/sample.py: 64 prompts x 128 tokens, one LoRA adapter): splits the
+engine's decode step into the decoder (CUDA-graph replay), log-softmax + sampling, and the host's
+bookkeeping (each part timed with a device sync); times the captured graph alone with CUDA events;
+and lists the kernels of a few decode steps run without graphs (torch.profiler, GPU time per kernel).
+
+Part ``gap``: the same 16 prompts sampled through each decode path (CUDA graphs, static shapes
+without graphs, the eager decoder, the eager decoder with the PyTorch paged attention instead of the
+Triton kernel); for each, |sampler - trainer| over the sampled tokens, with the trainer in bf16 and
+in fp32 (same weights), and the trainer's own bf16-vs-fp32 difference on those tokens. The first
+sampled token comes from the prefill pass, the rest from decode steps: both are reported.
+
+    python bench/sample_diag.py --out $OUT                  # on the GPU
+    python bench/sample_diag.py --shape tiny --new 8        # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import hardware_line, sync
+from bench.sample import DEVICE, DTYPE, SHAPES, fill_adapters, make_prompts, trainer_logprobs
+from ember.core.adapters import AdapterBank
+from ember.core.config import config_from_hf
+from ember.core.loading import random_model
+from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule
+from ember.core.sampling import attention as sampling_attention
+
+
+def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool | None, graphs: bool):
+    page = 16
+    cfg = SamplerConfig(
+        max_seqs=n_prompts,
+        page_size=page,
+        kv_tokens=(n_prompts + 1) * (plen + new + page),
+        max_prefill_tokens=max(16384, plen),
+        cuda_graphs=graphs,
+        static_decode=static,
+    )
+    return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
+
+
+def requests(prompts, new: int, slot: int) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(p, new, [1000 + i], slot=slot, temperature=1.0, stop=StopRule())
+        for i, p in enumerate(prompts)
+    ]
+
+
+def timed(fn, acc: list[float]):
+    """Wrap ``fn`` so each call's wall time (ending in a device sync) is appended to ``acc``."""
+
+    def run(*args, **kwargs):
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        acc.append(time.perf_counter() - t0)
+        return out
+
+    return run
+
+
+def step_breakdown(model, prompts, new: int, rank: int) -> dict:
+    bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
+    (slot,) = fill_adapters(bank, 1, rank)
+    engine = make_engine(model, bank, len(prompts), len(prompts[0]), new, None, True)
+    reqs = requests(prompts, new, slot)
+    engine.generate(reqs)  # compile + capture
+    decoder, sampler = [], []
+    engine._run_decoder = timed(engine._run_decoder, decoder)
+    engine._sample_into = timed(engine._sample_into, sampler)
+    engine.stats.step_times.clear()
+    engine.generate(reqs)
+    steps = [dt for b, dt in engine.stats.step_times if b == len(prompts)]
+    n = len(prompts)
+    # the sampler list also holds the prefill's sampling call (first); decode calls follow
+    out = {
+        "decode_step_ms": 1e3 * statistics.median(steps),
+        "decoder_ms": 1e3 * statistics.median(decoder[-len(steps):]),
+        "sample_ms": 1e3 * statistics.median(sampler[-len(steps):]),
+        "rows": n,
+    }
+    out["host_ms"] = out["decode_step_ms"] - out["decoder_ms"] - out["sample_ms"]
+    static = engine.static
+    if static is not None and static.use_graphs:
+        key = next(k for k in static._graphs if k[0] >= n and k[1])
+        graph = static._graphs[key][0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        sync()
+        out["graph_replay_ms"] = start.elapsed_time(end) / 20
+    del engine
+    # kernels of a few decode steps without graphs
+    engine = make_engine(model, bank, len(prompts), len(prompts[0]), 8, True, False)
+    short = requests(prompts, 8, slot)
+    engine.generate(short)
+    if DEVICE == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(short)
+            sync()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        print(table, flush=True)
+        out["profile_top"] = table
+    del engine, bank
+    return out
+
+
+def gap_paths(model, prompts, new: int, rank: int) -> dict:
+    """|sampler - trainer| per decode path; trainer in bf16 and in fp32 (same weights)."""
+    bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
+    (slot,) = fill_adapters(bank, 1, rank)
+    model32 = copy.deepcopy(model).float()
+    bank32 = AdapterBank(model32, max_adapters=1, max_rank=max(64, rank))
+    (slot32,) = fill_adapters(bank32, 1, rank)
+    with torch.no_grad():
+        bank32.get(slot32).flat.copy_(bank.get(slot).flat)
+    paths = {"graphs": (True, True), "static-nograph": (True, False), "eager": (False, True), "eager-torch-attn": (False, True)}
+    out = {}
+    for name, (static, graphs) in paths.items():
+        sampling_attention._TRITON_DECODE["ok"] = name != "eager-torch-attn"
+        engine = make_engine(model, bank, len(prompts), len(prompts[0]), new, static, graphs)
+        results = engine.generate(requests(prompts, new, slot))
+        d16, d32, d_tt = [], [], []
+        for p, res in zip(prompts, results):
+            seq = res.sequences[0]
+            tokens = np.concatenate([np.asarray(p), seq.tokens])
+            t16 = trainer_logprobs(model, bank, slot, tokens)[len(p) - 1 :]
+            t32 = trainer_logprobs(model32, bank32, slot32, tokens)[len(p) - 1 :]
+            s = np.asarray(seq.logprobs)
+            d16.append(np.abs(s - t16))
+            d32.append(np.abs(s - t32))
+            d_tt.append(np.abs(t16 - t32))
+        r = {}
+        for label, d in (("sampler_vs_trainer_bf16", d16), ("sampler_vs_trainer_fp32", d32), ("trainer_bf16_vs_fp32", d_tt)):
+            first = np.array([x[0] for x in d])
+            rest = np.concatenate([x[1:] for x in d])
+            r[label] = {"first_mean": float(first.mean()), "decode_mean": float(rest.mean()), "decode_max": float(rest.max())}
+        out[name] = r
+        print(f"gap {name:17s} " + "  ".join(
+            f"{k}: first {v['first_mean']:.2e} decode mean {v['decode_mean']:.2e} max {v['decode_max']:.2e}"
+            for k, v in r.items()), flush=True)
+        del engine
+    sampling_attention._TRITON_DECODE["ok"] = True
+    del model32, bank32
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--gap-prompts", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--only", default="steps,gap")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
+    model = random_model(config_from_hf(SHAPES[args.shape]), DEVICE, DTYPE, seed=0)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts = make_prompts(vocab, args.prompts, args.prompt_len)
+    results: dict = {"hardware": hardware_line(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    only = args.only.split(",")
+    if "steps" in only:
+        r = step_breakdown(model, prompts, args.new, args.rank)
+        print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
+        results["steps"] = r
+    if "gap" in only:
+        results["gap"] = gap_paths(model, prompts[: args.gap_prompts], args.new, args.rank)
+    (args.out / f"sample_diag_{args.shape}.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

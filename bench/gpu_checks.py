@@ -3,6 +3,9 @@
 * varlen flash attention over packed documents vs per-document SDPA (forward and gradients)
 * grouped products (``torch._grouped_mm``, bf16) vs a loop of matmuls
 * a mixed-adapter packed batch vs each adapter alone (bf16, grouped path; and fp32, loop path)
+* the decode LoRA delta kernels (split-K Triton) vs two grouped products + add: agreement, and the
+  GPU time of each (CUDA graphs of repeated calls, timed with CUDA events) against the bytes read
+* paged decode attention (flash-decoding kernel) vs the reference, with its time and bandwidth
 
 Prints the largest relative errors; exits non-zero if one exceeds its bf16 tolerance.
 """
@@ -18,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import COPY_BANDWIDTH
 from ember.core.adapters import LoraConfig
 from ember.core.config import AttentionSpec, config_from_hf
 from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
@@ -213,12 +217,179 @@ def check_fused_kernels() -> None:
     report("triton silu_mul grads", rel(got, gu.grad), 1e-2)
 
 
+def check_paged_decode() -> None:
+    """The paged decode attention kernel (flash-decoding, bf16): time per call inside a CUDA graph
+    (as a decode step runs it) and the K+V bandwidth it reaches, vs the reference for correctness.
+    Hq=32, Hkv=8, D=128, pages of 16, every sequence ``ctx`` tokens long, in shuffled pages."""
+    from ember.core.sampling.attention import (
+        _decode_block_n,
+        _decode_num_splits,
+        paged_decode_torch,
+        paged_decode_triton,
+    )
+
+    peak = 4.3e12  # H200 device-to-device copy (read + write), bytes/s; pure reads can pass it a little
+    hq, hkv, d, page, scale = 32, 8, 128, 16, 128**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"paged decode: Hq={hq} Hkv={hkv} D={d} bf16 page={page}; K+V bytes read / time vs {peak / 1e12:.1f} TB/s")
+
+    def case(b: int, lens: list[int], width: int):
+        pages = sum(-(-n // page) for n in lens) + 1
+        kp = torch.randn(pages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        vp = torch.randn(pages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        perm = (torch.randperm(pages - 1, device="cuda", generator=gen) + 1).int()  # page 0 is scratch
+        table = torch.zeros(b, width, dtype=torch.int32, device="cuda")
+        used = 0
+        for i, n in enumerate(lens):
+            table[i, : -(-n // page)] = perm[used : used + -(-n // page)]
+            used += -(-n // page)
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        return q, kp, vp, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def check(name, q, kp, vp, table, lens, window=0, rows=8):
+        got = paged_decode_triton(q, kp, vp, table, lens, scale, window)
+        ref = paged_decode_torch(q[:rows], kp, vp, table[:rows], lens[:rows], scale, window)
+        report(f"paged decode {name}", rel(got[:rows], ref), 2e-2)
+        empty = lens[:rows] == 0
+        if empty.any() and got[:rows][empty].abs().max().item() != 0:
+            report(f"paged decode {name}: empty rows are zero", 1.0, 0.0)
+
+    for b in (1, 64, 256):
+        for ctx in (128, 512, 2048, 8192):
+            for width in (-(-ctx // page), 32768 // page):  # a tight table; a decode step's static one
+                nbytes = b * ctx * hkv * 2 * d * 2
+                # several layers' caches in turn (>= 512 MB together), so small cases are not timed in L2
+                sets = [case(b, [ctx] * b, width) for _ in range(min(20, -(-(512 << 20) // nbytes)))]
+                q, kp, vp, table, lens = sets[0]
+                check(f"B={b} ctx={ctx} W={width}", q, kp, vp, table, lens)
+                splits = _decode_num_splits(b, hkv, width * page, _decode_block_n(d, d), q.device)
+                paged_decode_triton(q, kp, vp, table, lens, scale)  # compile outside the capture
+                torch.cuda.synchronize()
+                calls = 20
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(calls):
+                        q, kp, vp, table, lens = sets[i % len(sets)]
+                        paged_decode_triton(q, kp, vp, table, lens, scale)
+                graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                reps = 10
+                start.record()
+                for _ in range(reps):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                sec = start.elapsed_time(end) / 1e3 / (reps * calls)
+                print(
+                    f"  B={b:4d} ctx={ctx:5d} W={width:5d} splits={splits:2d}: {sec * 1e6:8.1f} us  "
+                    f"{nbytes / sec / 1e9:7.0f} GB/s ({100 * nbytes / sec / peak:4.1f}% of peak)"
+                )
+                del graph, sets, q, kp, vp, table, lens
+    # ragged lengths (empty rows included) and a sliding window, against the reference
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(0, 3000, (64,), generator=g).tolist()
+    lens[:3] = [0, 1, 17]
+    q, kp, vp, table, seq = case(64, lens, 4096 // page)
+    check("ragged B=64", q, kp, vp, table, seq, rows=64)
+    check("ragged B=64 window=1000", q, kp, vp, table, seq, window=1000, rows=64)
+    check("ragged B=64 window=1000 one row", q[3:4], kp, vp, table[3:4], seq[3:4], window=1000, rows=1)
+
+
+HBM_TBPS = COPY_BANDWIDTH / 1e12  # measured copy bandwidth (shared/perf_targets.md); floor = bytes / this
+
+
+def _graph_time_us(fn, inner: int = 20, reps: int = 50) -> float:
+    """GPU time of one ``fn()`` (microseconds): ``inner`` calls captured in a CUDA graph, replayed
+    ``reps`` times between CUDA events (so host launch overhead is not measured, as in decode)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * inner)
+
+
+def check_lora_decode() -> None:
+    """Decode LoRA delta: the split-K Triton kernels (``lora_delta_add``, fused add) vs the two
+    ``torch._grouped_mm`` calls + add of the grouped path, bf16, Qwen3-8B-like shapes."""
+    from ember.core.kernels import lora_decode
+
+    if not lora_decode.triton_ok(torch.zeros(1, device="cuda")):
+        print("lora decode kernels: Triton unavailable, skipped")
+        return
+    K, R = 4096, 32
+    print(f"lora decode delta (in={K}, r={R}, bf16): GPU us per call; floor = bytes read / {HBM_TBPS} TB/s")
+    print(f"  {'G':>3} {'busy':>4} {'N':>4} {'out':>6} | {'triton':>8} {'grouped':>8} {'floor':>7} | speedup")
+    torch.manual_seed(0)
+    worst = 0.0
+    for G, busy in ((2, 1), (33, 1), (33, 8)):
+        for N in (8, 64, 256):
+            for n_out in (4096, 1024, 12288):
+                A = (torch.randn(G, R, K, device="cuda") * K**-0.5).to(torch.bfloat16)
+                B = (torch.randn(G, n_out, R, device="cuda") * R**-0.5).to(torch.bfloat16)
+                A[0] = 0  # slot 0: no adapter (as LoraStacks builds it)
+                B[0] = 0
+                # N rows spread over slots 1..busy (sorted by slot); the other slots are empty
+                counts = torch.zeros(G, dtype=torch.long)
+                counts[1 : busy + 1] = N // busy
+                counts[busy] += N - int(counts.sum())
+                offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+                x = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+                # correctness: the delta alone (y = 0), against fp64 and against the grouped path
+                exact = torch.zeros(N, n_out, dtype=torch.float64, device="cuda")
+                start = 0
+                for g, end in enumerate(offs.tolist()):
+                    if end > start:
+                        exact[start:end] = x[start:end].double() @ A[g].double().T @ B[g].double().T
+                    start = end
+                got = lora_decode.lora_delta_add(torch.zeros(N, n_out, device="cuda", dtype=torch.bfloat16),
+                                                 x, A, B, offs, skip_first=True)
+                grouped = lora_decode.lora_delta_torch(x, A, B, offs)
+                if not lora_decode._STATE["ok"]:
+                    report("lora decode kernels ran", 1.0, 0.0)
+                    return
+                worst = max(worst, rel(got, exact))
+                report(f"lora delta G={G} busy={busy} N={N} out={n_out} vs grouped", rel(got, grouped), 1e-2)
+                # timing: y += delta in place vs y + two grouped products
+                y = torch.randn(N, n_out, device="cuda", dtype=torch.bfloat16)
+                args = (x, A, B, offs)
+                t_tri = _graph_time_us(lambda y=y, a=args: lora_decode.lora_delta_add(y, *a, skip_first=True))
+                t_ref = _graph_time_us(lambda y=y, a=args: y + lora_decode.lora_delta_torch(*a))
+                nbytes = 2 * (N * K + busy * R * K + busy * n_out * R + 2 * N * n_out)
+                floor = nbytes / (HBM_TBPS * 1e12) * 1e6
+                print(f"  {G:>3} {busy:>4} {N:>4} {n_out:>6} | {t_tri:8.1f} {t_ref:8.1f} {floor:7.1f} | {t_ref / t_tri:5.2f}x")
+    print(f"lora delta triton vs fp64: worst rel err {worst:.2e}")
+    report("lora delta triton vs fp64", worst, 1e-2)
+
+
+CHECKS = {
+    "attention": lambda: check_attention(),
+    "grouped": lambda: check_grouped(),
+    "fused": lambda: check_fused_kernels(),
+    "paged_decode": lambda: check_paged_decode(),
+    "lora_linear": lambda: check_lora_linear(),
+    "lora_decode": lambda: check_lora_decode(),
+    "mixed": lambda: check_mixed(),
+}
+
 if __name__ == "__main__":
+    # python3 bench/gpu_checks.py [check ...]   (default: all of them)
     print(torch.__version__, torch.cuda.get_device_name())
-    check_attention()
-    check_grouped()
-    check_fused_kernels()
-    check_lora_linear()
-    check_mixed()
+    for name in sys.argv[1:] or list(CHECKS):
+        CHECKS[name]()
     print("FAILED:", FAILED if FAILED else "none")
     sys.exit(1 if FAILED else 0)

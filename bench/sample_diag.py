@@ -4,7 +4,10 @@ rollout/trainer log-probability gap comes from.
 Part ``steps`` (workload a of bench/sample.py: 64 prompts x 128 tokens, one LoRA adapter): splits the
 engine's decode step into the decoder (CUDA-graph replay), log-softmax + sampling, and the host's
 bookkeeping (each part timed with a device sync); times the captured graph alone with CUDA events;
-and lists the kernels of a few decode steps run without graphs (torch.profiler, GPU time per kernel).
+and lists the GPU kernels of decode steps run without graphs (torch.profiler, ms per step).
+
+Part ``sampling``: device-synced wall time of the sampling pieces of a step (log-softmax, the
+token draw with and without top-p, the host's uniform numbers) on [64, vocab] logits.
 
 Part ``gap``: the same 16 prompts sampled through each decode path (CUDA graphs, static shapes
 without graphs, the eager decoder, the eager decoder with the PyTorch paged attention instead of the
@@ -108,20 +111,61 @@ def step_breakdown(model, prompts, new: int, rank: int) -> dict:
         sync()
         out["graph_replay_ms"] = start.elapsed_time(end) / 20
     del engine
-    # kernels of a few decode steps without graphs
-    engine = make_engine(model, bank, len(prompts), len(prompts[0]), 8, True, False)
-    short = requests(prompts, 8, slot)
-    engine.generate(short)
+    # kernels of 8 decode steps (no prefill) without graphs: GPU time per kernel, per step
+    engine = make_engine(model, bank, len(prompts), len(prompts[0]), 16, True, False)
+    short = requests(prompts, 16, slot)
+    engine.generate(short)  # compile
+    for r in short:
+        engine.submit(r)
+    engine.step()  # prefill + the first decode step
     if DEVICE == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.generate(short)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                engine.step()
             sync()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        rows = sorted(
+            ((e.key, e.device_time_total / 8 / 1e3, e.count // 8) for e in prof.key_averages() if e.device_time_total),
+            key=lambda r: -r[1],
+        )
+        total = sum(ms for _, ms, _ in rows)
+        lines = [f"GPU kernels of one decode step (no graphs), total {total:.2f} ms:"]
+        lines += [f"  {ms:7.3f} ms  {n:5d} calls  {name[:90]}" for name, ms, n in rows[:25]]
+        table = "\n".join(lines)
         print(table, flush=True)
         out["profile_top"] = table
+    while not engine.idle:
+        engine.step()
     del engine, bank
+    return out
+
+
+def sampling_parts(vocab: int, rows: int = 64, reps: int = 20) -> dict:
+    """Wall time (ms, device-synced) of the per-step sampling pieces on ``[rows, vocab]`` fp32 logits."""
+    from ember.core.sampling.logits import capped, log_softmax, sample_tokens, seeded_uniform
+
+    raw = torch.randn(rows, vocab, device=DEVICE) * 3
+    ones, minus, full = [1.0] * rows, [-1] * rows, [1.0] * rows
+    us = [seeded_uniform(7, i) for i in range(rows)]
+    parts = {
+        "log_softmax": lambda: log_softmax(raw, None),
+        "capped": lambda: capped(raw, None),
+        "sample_plain": lambda: sample_tokens(raw, ones, minus, full, us),
+        "sample_top_p_0.9": lambda: sample_tokens(raw, ones, minus, [0.9] * rows, us),
+        "sample_plain_tolist": lambda: sample_tokens(raw, ones, minus, full, us).tolist(),
+        "uniforms_host": lambda: [seeded_uniform(7, i) for i in range(rows)],
+    }
+    out = {}
+    for name, fn in parts.items():
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        out[name] = 1e3 * (time.perf_counter() - t0) / reps
     return out
 
 
@@ -173,7 +217,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--gap-prompts", type=int, default=16)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--only", default="steps,gap")
+    ap.add_argument("--only", default="steps,sampling,gap")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -187,6 +231,9 @@ def main() -> None:
         r = step_breakdown(model, prompts, args.new, args.rank)
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
+    if "sampling" in only:
+        results["sampling"] = sampling_parts(vocab)
+        print("sampling parts (ms):", {k: round(v, 3) for k, v in results["sampling"].items()}, flush=True)
     if "gap" in only:
         results["gap"] = gap_paths(model, prompts[: args.gap_prompts], args.new, args.rank)
     (args.out / f"sample_diag_{args.shape}.json").write_text(json.dumps(results, indent=2))

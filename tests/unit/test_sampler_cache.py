@@ -18,12 +18,14 @@ from ember.core.sampling.kv_cache import OutOfPages, PagedKVCache, RecurrentStat
 from ember.core.sampling.scheduler import page_reservation
 
 
-def _paged_case(lengths, page=4, hq=6, hkv=2, d=16, dv=12, seed=0):
+def _paged_case(lengths, page=4, hq=6, hkv=2, d=16, dv=12, seed=0, extra_columns=0):
     """Random keys/values of sequences stored in shuffled pages; returns the cache, per-sequence dense
-    k/v, queries, block table and lengths."""
+    k/v, queries, block table (``extra_columns`` more than needed, like a decode step's static table)
+    and lengths."""
     g = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache(num_pages=40, page_size=page, dtype=torch.float32, device="cpu")
-    order = torch.randperm(39, generator=g).tolist()
+    num_pages = max(40, sum((n + page - 1) // page for n in lengths) + 1)
+    cache = PagedKVCache(num_pages=num_pages, page_size=page, dtype=torch.float32, device="cpu")
+    order = torch.randperm(num_pages - 1, generator=g).tolist()
     for p in order:  # take pages in a random order, so block tables are not contiguous
         cache._free.remove(p + 1)
         cache._free.append(p + 1)
@@ -37,7 +39,7 @@ def _paged_case(lengths, page=4, hq=6, hkv=2, d=16, dv=12, seed=0):
         tables.append(pages)
     if 0 not in cache.k:
         cache.write(0, torch.zeros(0, hkv, d), torch.zeros(0, hkv, dv), torch.zeros(0, dtype=torch.long))
-    width = max(len(t) for t in tables)
+    width = max(len(t) for t in tables) + extra_columns
     bt = torch.zeros(len(lengths), width, dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -60,6 +62,11 @@ def test_paged_decode_equals_dense_attention(window):
 
 
 def test_paged_decode_triton_kernel_matches_reference():
+    """The flash-decoding kernel (BLOCK_N tokens over several pages per step, split-K over the
+    sequence, merge kernel) against the reference, under Triton's interpreter: empty, 1-token,
+    page-boundary and multi-block/multi-split lengths, pages of 4 and 16, windows shorter and
+    longer than the sequences, GQA groups of 1, 3, 4 and 8, Dv != D and head dims that are not
+    powers of two."""
     pytest.importorskip("triton")
     script = textwrap.dedent(
         """
@@ -74,17 +81,40 @@ def test_paged_decode_triton_kernel_matches_reference():
         interp._patch_lang_tensor = _patched
 
         from ember.core.kernels import fused
-        from ember.core.sampling.attention import paged_decode_attention, paged_decode_torch
+        from ember.core.sampling.attention import paged_decode_attention, paged_decode_torch, paged_decode_triton
         from tests.unit.test_sampler_cache import _paged_case
         assert fused.use_triton(torch.zeros(1))
-        for window in (0, 3, 6):
-            for hq, dv in ((6, 12), (2, 16)):
-                cache, _, q, bt, lens = _paged_case([1, 7, 13, 0, 9], hq=hq, dv=dv, seed=window)
-                got = paged_decode_attention(q, cache.k[0], cache.v[0], bt, lens, 0.3, window)
+
+        def check(lengths, windows, splits, **kw):
+            for window in windows:
+                cache, _, q, bt, lens = _paged_case(lengths, seed=window, **kw)
                 ref = paged_decode_torch(q, cache.k[0], cache.v[0], bt, lens, 0.3, window)
-                err = (got - ref).abs().max().item()
-                assert err < 1e-5, (window, hq, err)
-                assert got[3].abs().max().item() == 0.0  # length-0 (padding) row
+                for ns in splits:
+                    if ns == "dispatch":
+                        got = paged_decode_attention(q, cache.k[0], cache.v[0], bt, lens, 0.3, window)
+                    else:
+                        got = paged_decode_triton(q, cache.k[0], cache.v[0], bt, lens, 0.3, window, num_splits=ns)
+                    assert got.shape == ref.shape, (got.shape, ref.shape)
+                    err = (got - ref).abs().max().item()
+                    assert err < 1e-5, (lengths, window, ns, kw, err)
+                    for i, n in enumerate(lengths):
+                        if n == 0:
+                            assert got[i].abs().max().item() == 0.0  # length-0 (padding) row
+
+        # short sequences (one 64-token block): GQA 3 and 1, Dv != D, the dispatcher
+        for hq, dv in ((6, 12), (2, 16)):
+            check([1, 7, 13, 0, 9], (0, 3, 6), ("dispatch", 1, 2), hq=hq, dv=dv)
+        # page 4: page-boundary lengths and up to 9 blocks of 64 (splits take >= 2 blocks: up to 4);
+        # windows inside one block, across blocks and splits, and longer than every sequence;
+        # default splits, one, and two
+        long4 = [0, 1, 4, 5, 63, 64, 65, 129, 300, 520]
+        check(long4, (0, 5, 300, 1000), (None, 1, 2), page=4, hq=3, hkv=1, d=16, dv=16)
+        # page 16, a static table wider than needed, GQA 4, non-power-of-two head dims (24 -> 32, 20)
+        long16 = [0, 1, 16, 17, 64, 65, 190, 257, 420]
+        check(long16, (0, 7, 70), (None, 1, 3), page=16, hq=4, hkv=1, d=24, dv=20, extra_columns=40)
+        # GQA 8 with two KV heads, page 16; GQA 1 (MHA) with Dv > D
+        check([1, 16, 33, 150], (0, 40), (None, 2), page=16, hq=16, hkv=2, d=16, dv=16)
+        check([0, 3, 80, 200], (0, 9), (None,), page=4, hq=2, hkv=2, d=12, dv=32)
         print("ok")
         """
     )

@@ -4,10 +4,12 @@
   stored in the cache and attention runs exactly as in training (:class:`PackedAttention`: varlen
   flash attention on CUDA, per-document SDPA elsewhere), so prompt logprobs match the trainer's.
 * Decode (one new token per sequence): the query attends to the sequence's cached keys through its
-  block table. On CUDA (and under ``TRITON_INTERPRET=1``) a Triton kernel walks the pages with an
-  online softmax, one program per (sequence, KV head), reading each cached key once; its shapes
-  depend only on the batch size, so a decode step can be captured in a CUDA graph. Elsewhere a
-  gather of the pages and a masked softmax compute the same thing.
+  block table. On CUDA (and under ``TRITON_INTERPRET=1``) a Triton kernel does flash-decoding:
+  programs per (sequence, KV head, split of the sequence) walk 64 tokens at a time across pages
+  with an online softmax, all query heads of the KV head's group in one ``tl.dot``, reading each
+  cached key once, and a second small kernel merges the splits. Grid and scratch depend only on
+  shapes (batch, heads, block-table width), so a decode step can be captured in a CUDA graph.
+  Elsewhere a gather of the pages and a masked softmax compute the same thing.
 
 Sliding-window layers (``AttentionSpec("sliding", window)``) see the last ``window`` positions,
 the current token included.
@@ -15,6 +17,7 @@ the current token included.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -29,14 +32,31 @@ if fused.HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _decode_split_range(n, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """The visible tokens ``[start, n)`` of a sequence, the BLOCK_N-aligned blocks covering them
+        (``first``, ``nblk``), and how they are dealt to splits: ``per`` (>= 2 unless the sequence is
+        shorter) consecutive blocks each, to ``active`` (>= 1) splits. Both kernels derive
+        the same split layout from ``seq_lens``, so a short sequence of a long table is not split
+        thinner than is worth merging."""
+        start = tl.maximum(n - window, 0)  # window = 2**30 when the layer has none
+        first = start // BLOCK_N
+        nblk = (n + BLOCK_N - 1) // BLOCK_N - first  # 0 when n == 0
+        active = tl.maximum(tl.minimum(nblk // 2, NUM_SPLITS), 1)  # >= 2 blocks a split
+        per = tl.maximum((nblk + active - 1) // active, 1)
+        active = tl.maximum((nblk + per - 1) // per, 1)  # no split left without a block
+        return start, first, nblk, per, active
+
+    @triton.jit
     def _paged_decode_kernel(
         Q,
         K,
         V,
         O,
+        ACC,
+        ML,
         BT,
         LENS,
-        scale,
+        qk_scale,
         window,
         stride_qb,
         stride_qh,
@@ -56,44 +76,144 @@ if fused.HAVE_TRITON:
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
         PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
+        """One program per (sequence, KV head, split): the split's share of the sequence's visible
+        tokens, BLOCK_N at a time (any number of pages: each token's page comes from the block
+        table), the group's REP query heads at once through tl.dot, online softmax in fp32 (base 2).
+
+        A sequence whose tokens fit one split (or NUM_SPLITS == 1) is finished here; otherwise each
+        split leaves its unnormalised ``acc`` and its ``(m, l)`` in fp32 scratch for
+        :func:`_paged_decode_combine`."""
         b = tl.program_id(0)
         hk = tl.program_id(1)
+        split = tl.program_id(2)
         n = tl.load(LENS + b)
+        start, first, nblk, per, active = _decode_split_range(n, window, BLOCK_N, NUM_SPLITS)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D_PAD)
         dv = tl.arange(0, DV_PAD)
-        s = tl.arange(0, PAGE)
+        tok = tl.arange(0, BLOCK_N)
         rmask = r < REP
-        q_ptr = Q + b * stride_qb + (hk * REP + r)[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr, mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale
-        start = tl.maximum(n - window, 0)  # window = 2**30 when the layer has none
+        dmask = d < D
+        dvmask = dv < DV
+        heads = hk * REP + r
+        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr, mask=rmask[:, None] & dmask[None, :], other=0.0).to(K.dtype.element_ty)
+        k_base = K + hk * stride_kh
+        v_base = V + hk * stride_vh
+        bt_base = BT + b.to(tl.int64) * stride_bt
         m = tl.full([REP_PAD], -1e30, tl.float32)
         lsum = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, DV_PAD], tl.float32)
-        for p in range(start // PAGE, (n + PAGE - 1) // PAGE):
-            page = tl.load(BT + b * stride_bt + p).to(tl.int64)
-            pos = p * PAGE + s
+        blk0 = first + split * per
+        blk1 = tl.minimum(blk0 + per, first + nblk)  # empty for splits past ``active``
+        for blk in range(blk0, blk1):
+            pos = blk * BLOCK_N + tok
             valid = (pos < n) & (pos >= start)
-            k_ptr = K + page * stride_kp + s[:, None] * stride_ks + hk * stride_kh + d[None, :]
-            k = tl.load(k_ptr, mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            page = tl.load(bt_base + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            slot = (pos % PAGE).to(tl.int64)
+            k_row = page * stride_kp + slot * stride_ks
+            v_row = page * stride_vp + slot * stride_vs
+            k = tl.load(k_base + k_row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [REP_PAD, BLOCK_N]
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            prob = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            prob = tl.exp2(scores - m_new[:, None])
             lsum = lsum * alpha + tl.sum(prob, axis=1)
-            v_ptr = V + page * stride_vp + s[:, None] * stride_vs + hk * stride_vh + dv[None, :]
-            v = tl.load(v_ptr, mask=valid[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * v[None, :, :], axis=1)
+            v = tl.load(v_base + v_row[:, None] + dv[None, :], mask=valid[:, None] & dvmask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
-        out = acc / tl.maximum(lsum, 1e-30)[:, None]
-        o_ptr = O + b * stride_ob + (hk * REP + r)[:, None] * stride_oh + dv[None, :]
-        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
+        o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
+        out = acc / tl.maximum(lsum, 1e-30)[:, None]  # length 0: acc = 0 -> zeros
+        if NUM_SPLITS == 1:
+            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=rmask[:, None] & dvmask[None, :])
+        else:
+            # scalar conditions become row limits (Triton's interpreter cannot AND a tensor and a scalar)
+            done = tl.where(active == 1, tl.where(split == 0, REP, 0), 0)  # finished by this program
+            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=(r < done)[:, None] & dvmask[None, :])
+            part = r < tl.where(active > 1, tl.where(split < active, REP, 0), 0)  # a partial to merge
+            row = (b * (REP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split  # [B, Hq, S]
+            tl.store(ACC + row[:, None] * DV + dv[None, :], acc, mask=part[:, None] & dvmask[None, :])
+            tl.store(ML + row * 2, m, mask=part)
+            tl.store(ML + row * 2 + 1, lsum, mask=part)
+
+    @triton.jit
+    def _paged_decode_combine(
+        O,
+        ACC,
+        ML,
+        LENS,
+        window,
+        stride_ob,
+        stride_oh,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        """One program per (sequence, query head): merges the partial softmaxes of the sequence's
+        splits (sequences finished by a single split are left alone)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n = tl.load(LENS + b)
+        _, _, _, _, active = _decode_split_range(n, window, BLOCK_N, NUM_SPLITS)
+        if active > 1:
+            s = tl.arange(0, SPLITS_PAD)
+            smask = s < active
+            row0 = (b * tl.num_programs(1) + h).to(tl.int64) * NUM_SPLITS
+            ms = tl.load(ML + (row0 + s) * 2, mask=smask, other=-1e30)
+            ls = tl.load(ML + (row0 + s) * 2 + 1, mask=smask, other=0.0)
+            m_all = tl.max(ms, axis=0)
+            w = tl.where(smask, tl.exp2(ms - m_all), 0.0)
+            total = tl.sum(w * ls, axis=0)
+            dv = tl.arange(0, DV_PAD)
+            dvmask = dv < DV
+            acc = tl.zeros([DV_PAD], tl.float32)
+            for i in range(active):
+                wi = tl.exp2(tl.load(ML + (row0 + i) * 2) - m_all)
+                acc += wi * tl.load(ACC + (row0 + i) * DV + dv, mask=dvmask, other=0.0)
+            out = acc / tl.maximum(total, 1e-30)
+            tl.store(O + b * stride_ob + h * stride_oh + dv, out.to(O.dtype.element_ty), mask=dvmask)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+_DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}  # of the split kernel
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: size the grid as for an H100/H200
+
+
+def _decode_block_n(d_pad: int, dv_pad: int) -> int:
+    """Tokens per iteration: 64 for head dims up to 128, fewer for wider heads (register budget)."""
+    widest = max(d_pad, dv_pad)
+    return 64 if widest <= 128 else 32 if widest <= 256 else 16
+
+
+def _decode_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
+    """Splits of the sequence axis: as many as keep the grid within one wave of ~4 programs per SM
+    (none once ``batch * kv_heads`` fills that alone), at most one per two BLOCK_N blocks of the
+    longest sequence the block table can describe. Depends only on shapes (CUDA graphs).
+
+    Measured on an H200 (132 SMs; Hkv=8, D=128, bf16): with 512 or more (sequence, KV head) pairs a
+    single split was fastest at 128..8192 tokens; with fewer, ``4 * SMs // pairs`` splits were
+    within a few percent of the best tried (more splits than one wave holds were slower)."""
+    programs = batch * kv_heads
+    want = 4 * _sm_count(device) // programs
+    return max(1, min(want, max_tokens // (2 * block_n), _MAX_SPLITS))
 
 
 def paged_decode_triton(
@@ -104,9 +224,15 @@ def paged_decode_triton(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton decode attention: ``q`` ``[B, Hq, D]`` against each sequence's ``seq_lens[b]`` cached
-    tokens (``block_table`` ``[B, W]`` int32) -> ``[B, Hq, Dv]``; rows with length 0 give zeros."""
+    tokens (``block_table`` ``[B, W]`` int32) -> ``[B, Hq, Dv]``; rows with length 0 give zeros.
+
+    Flash-decoding: the visible tokens of a sequence are dealt to up to ``num_splits`` programs
+    per KV head (by default chosen from the shapes: batch, heads, block-table width) and a second
+    kernel merges their partial softmaxes. Grid and scratch depend only on shapes, never on the
+    lengths, so the call can be captured in a CUDA graph."""
     B, Hq, D = q.shape
     _, page, Hkv, _ = k_pages.shape
     Dv = v_pages.shape[-1]
@@ -115,15 +241,28 @@ def paged_decode_triton(
     if B == 0:
         return out
     q = q.contiguous()
-    _paged_decode_kernel[(B, Hkv)](
+    d_pad, dv_pad = max(16, _pow2(D)), max(16, _pow2(Dv))  # tl.dot needs >= 16 along each axis
+    block_n = _decode_block_n(d_pad, dv_pad)
+    if num_splits is None:
+        num_splits = _decode_num_splits(B, Hkv, block_table.shape[1] * page, block_n, q.device)
+    num_splits = max(1, int(num_splits))
+    if num_splits > 1:
+        acc = torch.empty(B, Hq, num_splits, Dv, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = out  # not touched
+    window = int(window or 1 << 30)
+    _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
         k_pages,
         v_pages,
         out,
+        acc,
+        ml,
         block_table,
         seq_lens,
-        float(scale),
-        int(window or 1 << 30),
+        float(scale) * _LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k_pages.stride(0),
@@ -136,13 +275,33 @@ def paged_decode_triton(
         out.stride(1),
         block_table.stride(0),
         REP=rep,
-        REP_PAD=_pow2(rep),
+        REP_PAD=max(16, _pow2(rep)),
         D=D,
-        D_PAD=_pow2(D),
+        D_PAD=d_pad,
         DV=Dv,
-        DV_PAD=_pow2(Dv),
+        DV_PAD=dv_pad,
         PAGE=page,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if k_pages.dtype == torch.float32 else "tf32",
+        **_DECODE_LAUNCH,
     )
+    if num_splits > 1:
+        _paged_decode_combine[(B, Hq)](
+            out,
+            acc,
+            ml,
+            seq_lens,
+            window,
+            out.stride(0),
+            out.stride(1),
+            DV=Dv,
+            DV_PAD=dv_pad,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=_pow2(num_splits),
+            num_warps=4,
+        )
     return out
 
 

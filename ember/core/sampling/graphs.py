@@ -11,7 +11,9 @@ every pointer fixed, so this decoder
   live in one stack ``[slots + 1, r, in]`` / ``[slots + 1, out, r]`` (:class:`LoraStacks`, with the
   adapter's scale folded into ``B``), and rows find their adapter through an ``offsets`` tensor of
   the grouped product (rows are sorted by slot). One graph thus serves any mix of adapters, and a
-  configured-but-unused slot is an empty group: no work.
+  configured-but-unused slot is an empty group: no work. On the GPU the delta runs as the split-K
+  Triton kernels of :mod:`ember.core.kernels.lora_decode` (added into the base output in place);
+  elsewhere as two grouped products.
 
 Everything but the capture itself runs eagerly on the CPU too, which is how the tests check it
 against :class:`~ember.core.sampling.decode.EagerDecoder`. Used for dense families without
@@ -26,11 +28,13 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ember.core.adapters import AdapterBank
-from ember.core.kernels.grouped import grouped_linear
+from ember.core.kernels import lora_decode
+from ember.core.kernels.lora_decode import lora_delta_add
 from ember.core.logprobs import chunk_logits
 from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
@@ -110,22 +114,33 @@ class LoraStacks:
 
 class StaticRoute:
     """A LoRA route over :class:`LoraStacks` for rows sorted by slot: ``offsets[s]`` ends slot
-    ``s``'s rows (int32, the last entry is the padded row count)."""
+    ``s``'s rows (int32, the last entry is the padded row count). ``n_rows`` (int32 ``[1]``, optional)
+    counts the real rows: the padding after them joins the last group for the grouped products, but
+    the Triton kernels skip it (and slot 0, whose factors are zeros), so an unused slot costs nothing."""
 
-    def __init__(self, stacks: LoraStacks, offsets: torch.Tensor):
+    def __init__(self, stacks: LoraStacks, offsets: torch.Tensor, n_rows: torch.Tensor | None = None):
         self.stacks = stacks
         self.offsets = offsets
+        self.n_rows = n_rows
+
+    def add_delta(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus module ``name``'s LoRA delta of ``x`` (in place on the Triton path)."""
+        st = self.stacks.stacks.get(name)
+        if st is None:
+            return y
+        return lora_delta_add(y, x, st[0], st[1], self.offsets, self.n_rows, skip_first=True)
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
         st = self.stacks.stacks.get(name)
         if st is None:
             return None
-        return grouped_linear(grouped_linear(x, st[0], self.offsets), st[1], self.offsets)
+        if lora_decode.triton_ok(x, st[0], st[1]):
+            y = torch.zeros(*x.shape[:-1], st[1].shape[1], dtype=x.dtype, device=x.device)
+            return self.add_delta(name, x, y)
+        return lora_decode.lora_delta_torch(x, st[0], st[1], self.offsets)
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = F.linear(x, weight, bias)
-        d = self.delta(name, x)
-        return y if d is None else y + d
+        return self.add_delta(name, x, F.linear(x, weight, bias))
 
     def expert_delta(self, *args, **kwargs):
         raise NotImplementedError("static decode has no expert LoRA; MoE models decode eagerly")
@@ -133,12 +148,17 @@ class StaticRoute:
 
 @dataclass
 class _Buffers:
+    """A bucket's static inputs: views of two packed device tensors (one copy each per step)."""
+
+    longs: torch.Tensor  # int64 [3, bucket]: input_ids, positions, slot_mapping
+    small: torch.Tensor  # int32 [bucket + groups + 1]: seq_lens, offsets, n_rows
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     offsets: torch.Tensor
+    n_rows: torch.Tensor  # real (unpadded) rows, int32 [1]
 
 
 class StaticDecoder:
@@ -165,6 +185,7 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_version = self.stacks.version
         self._pool = None
+        self._staging: dict[str, torch.Tensor] = {}
 
     def sync(self, slots: Iterable[int]) -> None:
         """Refresh the adapter stacks of ``slots`` (call when their requests are admitted)."""
@@ -179,40 +200,62 @@ class StaticDecoder:
     def _buffers_for(self, bucket: int) -> _Buffers:
         if bucket not in self._buffers:
             d = self.cache.device
+            longs = torch.zeros(3, bucket, dtype=torch.long, device=d)
+            small = torch.zeros(bucket + self.stacks.groups + 1, dtype=torch.int32, device=d)
             self._buffers[bucket] = _Buffers(
-                input_ids=torch.zeros(bucket, dtype=torch.long, device=d),
-                positions=torch.zeros(bucket, dtype=torch.long, device=d),
-                slot_mapping=torch.zeros(bucket, dtype=torch.long, device=d),
+                longs=longs,
+                small=small,
+                input_ids=longs[0],
+                positions=longs[1],
+                slot_mapping=longs[2],
                 block_table=torch.zeros(bucket, self.width, dtype=torch.int32, device=d),
-                seq_lens=torch.zeros(bucket, dtype=torch.int32, device=d),
-                offsets=torch.zeros(self.stacks.groups, dtype=torch.int32, device=d),
+                seq_lens=small[:bucket],
+                offsets=small[bucket:-1],
+                n_rows=small[-1:],
             )
         return self._buffers[bucket]
 
+    def _host(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host staging buffer of at least ``numel`` elements (pinned on CUDA, so the copies to
+        the device are asynchronous), shared by every bucket: a step's copies are issued before the
+        step runs and the engine waits for each step's results before filling the next one."""
+        t = self._staging.get(name)
+        if t is None or t.numel() < numel:
+            t = torch.empty(numel, dtype=dtype, pin_memory=self.cache.device.type == "cuda")
+            self._staging[name] = t
+        return t[:numel]
+
     def _fill(self, buf: _Buffers, batch: DecodeBatch, bucket: int) -> None:
+        """Copy the step's inputs into the bucket's static buffers: three host-to-device copies."""
         n = len(batch)
-        pad = bucket - n
-        ids = torch.tensor(batch.input_ids + [0] * pad, dtype=torch.long)
-        pos = torch.tensor(batch.positions + [0] * pad, dtype=torch.long)
-        slots = torch.tensor(batch.slot_mapping + [0] * pad, dtype=torch.long)  # padding -> scratch page
-        lens = torch.tensor([p + 1 for p in batch.positions] + [0] * pad, dtype=torch.int32)
-        width = max(len(t) for t in batch.block_tables)
-        table = torch.zeros(n, width, dtype=torch.int32)
-        for i, t in enumerate(batch.block_tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        counts = torch.bincount(torch.tensor(batch.slots), minlength=self.stacks.groups)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        longs = self._host("longs", 3 * bucket, torch.long).view(3, bucket)
+        ln = longs.numpy()
+        ln[:, n:] = 0  # padding rows: token 0 at position 0, keys to the scratch page
+        ln[0, :n] = batch.input_ids
+        ln[1, :n] = batch.positions
+        ln[2, :n] = batch.slot_mapping
+        groups = self.stacks.groups
+        small = self._host("small", bucket + groups + 1, torch.int32)
+        sm = small.numpy()
+        sm[:n] = np.asarray(batch.positions) + 1  # seq_lens (0 for padding rows)
+        sm[n:bucket] = 0
+        offsets = np.cumsum(np.bincount(np.asarray(batch.slots), minlength=groups))
         offsets[-1] = bucket  # padded rows join the last group; their outputs are dropped
-        buf.input_ids.copy_(ids)
-        buf.positions.copy_(pos)
-        buf.slot_mapping.copy_(slots)
-        buf.seq_lens.copy_(lens)
+        sm[bucket : bucket + groups] = offsets
+        sm[-1] = n
+        width = max(len(t) for t in batch.block_tables)
+        table = self._host("table", n * width, torch.int32).view(n, width)
+        tn = table.numpy()
+        tn[:] = 0
+        for i, t in enumerate(batch.block_tables):
+            tn[i, : len(t)] = t
+        buf.longs.copy_(longs, non_blocking=True)
+        buf.small.copy_(small, non_blocking=True)
         # only the pages of real rows are read (length 0 rows read none): stale columns are harmless
-        buf.block_table[:n, :width].copy_(table)
-        buf.offsets.copy_(offsets)
+        buf.block_table[:n, :width].copy_(table, non_blocking=True)
 
     def _forward(self, buf: _Buffers, use_lora: bool) -> torch.Tensor:
-        route = StaticRoute(self.stacks, buf.offsets) if use_lora else None
+        route = StaticRoute(self.stacks, buf.offsets, buf.n_rows) if use_lora else None
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens),
@@ -224,9 +267,7 @@ class StaticDecoder:
         hidden = self.model.hidden_states(buf.input_ids, ctx)
         logits = chunk_logits(hidden, self.model.unembed_weight, [], 0, hidden.shape[0])
         if route is not None:
-            d = route.delta("lm_head", hidden)
-            if d is not None:
-                logits = logits + d.float()
+            logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
         return logits
 
     def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, None]:
@@ -273,6 +314,7 @@ class StaticDecoder:
             buf = self._buffers_for(b)
             buf.offsets.zero_()
             buf.offsets[-1] = b
+            buf.n_rows.fill_(b)
             if (b, use_lora) not in self._graphs:
                 self._graphs[(b, use_lora)] = self._capture(buf, use_lora)
 

@@ -1,0 +1,259 @@
+"""Triton kernels for the LoRA delta of the static (CUDA-graph) decode step.
+
+Rows are sorted by adapter slot and ``offsets`` (int32 ``[G]``, cumulative row ends, as for
+``torch._grouped_mm``) says which rows belong to which group ``g`` of the stacked factors
+``A`` ``[G, r, in]`` and ``B`` ``[G, out, r]`` (the adapter's scale already folded into ``B``). For
+each group with rows, the delta is ``x[rows] @ A[g].T @ B[g].T``. Two launches:
+
+* :func:`lora_shrink`, ``h = x @ A[g].T`` in fp32, split over K: for each of its groups ``g``,
+  program ``(j, s)`` loads the slice
+  ``A[g][:, s·BLOCK_K : (s+1)·BLOCK_K]`` once, loops over the group's row blocks and adds its partial
+  products into a zeroed fp32 ``h`` with atomic adds. A decode batch has few rows, so without the
+  split one tile would walk the whole of K on one SM (what the grouped GEMM does); with it the
+  ``in / BLOCK_K`` programs of a group stream ``A[g]`` and ``x`` in parallel.
+* :func:`lora_expand_add`, ``y[rows] += h[rows] @ B[g].T`` in place: program ``(j, o)`` loads the
+  block ``B[g][o·BLOCK_O : (o+1)·BLOCK_O, :]`` once and loops over the group's row blocks, adding the
+  delta to ``y`` in fp32 and rounding once to ``y``'s dtype (this fuses the ``y + delta`` add).
+
+Groups are spread over ``GROUP_PROGRAMS`` programs per split (program ``j`` walks groups ``j``,
+``j + GROUP_PROGRAMS``, ...), so the launch size does not grow with the number of configured slots;
+a group without rows costs its walker two scalar loads and nothing else (measured on the H200: with
+one program per group, a bank of 32 slots made the decode step 6 % slower than a bank of 1). Groups known to be zero (slot 0, with
+``skip_first``) and padding rows (from ``n_rows[0]`` on, an int32 device scalar) are skipped too.
+Launch grids and block sizes depend only on tensor shapes, never on the contents of ``offsets``
+(nothing is read back on the host), so both kernels can be captured in a CUDA graph. ``h`` is kept
+in fp32 (the K-reduction is accumulated and summed in fp32; the atomic adds make its last bits
+depend on the order the splits land in); the expand
+rounds it to ``B``'s dtype for the tensor-core product (as the two bf16 grouped products do).
+
+:func:`lora_delta_add` is the entry point; it falls back to two :func:`grouped_linear` calls and an
+add where Triton cannot run (CPU without ``TRITON_INTERPRET=1``, no Triton).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ember.core.kernels import fused
+from ember.core.kernels.grouped import grouped_linear
+
+if fused.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _group_rows(OFFS, ROWS, g, HAS_ROWS: tl.constexpr):
+        # rows [start, end) of group g; group 0 starts at row 0. Rows from ROWS[0] on are padding.
+        g = g + tl.zeros([], tl.int32)  # a tensor also where the loop index is a Python int (interpreter)
+        start = tl.where(g > 0, tl.load(OFFS + tl.maximum(g - 1, 0)), 0)
+        end = tl.load(OFFS + g)
+        if HAS_ROWS:
+            n = tl.load(ROWS)
+            start = tl.minimum(start, n)
+            end = tl.minimum(end, n)
+        return start, end
+
+    @triton.jit
+    def _lora_shrink_kernel(
+        X, A, H, OFFS, ROWS,
+        stride_xm, stride_ag, stride_ar, stride_hm,
+        K, R, G,
+        FIRST: tl.constexpr, HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
+    ):
+        s = tl.program_id(1)
+        r = tl.arange(0, R_PAD)
+        k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+        rmask = r < R
+        kmask = k < K
+        # program (j, s) serves groups FIRST + j, FIRST + j + GSTRIDE, ...: an empty group costs two
+        # scalar loads, not a program, so configured but unused slots stay (nearly) free
+        for g in range(FIRST + tl.program_id(0), G, GSTRIDE):
+            start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
+            if end > start:
+                # this program's slice of A[g], loaded once: [R_PAD, BLOCK_K]
+                a_ptr = A + (g + tl.zeros([], tl.int64)) * stride_ag + r[:, None] * stride_ar + k[None, :]
+                a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                a_t = tl.trans(a)
+                for m0 in range(start, end, BLOCK_M):
+                    rows = m0 + tl.arange(0, BLOCK_M)
+                    mmask = rows < end
+                    x_ptr = X + rows.to(tl.int64)[:, None] * stride_xm + k[None, :]
+                    x = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0).to(a.dtype)
+                    part = tl.dot(x, a_t, input_precision=PREC)  # [BLOCK_M, R_PAD] fp32
+                    h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
+                    tl.atomic_add(h_ptr, part, mask=mmask[:, None] & rmask[None, :], sem="relaxed")
+
+    @triton.jit
+    def _lora_expand_kernel(
+        H, B, Y, OFFS, ROWS,
+        stride_hm, stride_bg, stride_bo, stride_ym,
+        N_OUT, R, G,
+        FIRST: tl.constexpr, HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
+    ):
+        ob = tl.program_id(1)
+        r = tl.arange(0, R_PAD)
+        o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        rmask = r < R
+        omask = o < N_OUT
+        for g in range(FIRST + tl.program_id(0), G, GSTRIDE):  # as in the shrink kernel
+            start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
+            if end > start:
+                # this program's block of B[g], loaded once: [BLOCK_O, R_PAD]
+                b_ptr = B + (g + tl.zeros([], tl.int64)) * stride_bg + o.to(tl.int64)[:, None] * stride_bo + r[None, :]
+                b = tl.load(b_ptr, mask=omask[:, None] & rmask[None, :], other=0.0)
+                b_t = tl.trans(b)
+                for m0 in range(start, end, BLOCK_M):
+                    rows = m0 + tl.arange(0, BLOCK_M)
+                    mmask = rows < end
+                    h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
+                    h = tl.load(h_ptr, mask=mmask[:, None] & rmask[None, :], other=0.0).to(b.dtype)
+                    d = tl.dot(h, b_t, input_precision=PREC)  # [BLOCK_M, BLOCK_O] fp32
+                    y_ptr = Y + rows.to(tl.int64)[:, None] * stride_ym + o[None, :]
+                    ymask = mmask[:, None] & omask[None, :]
+                    y = tl.load(y_ptr, mask=ymask, other=0.0).to(tl.float32)
+                    tl.store(y_ptr, (y + d).to(Y.dtype.element_ty), mask=ymask)
+
+
+_STATE = {"ok": True}
+# programs per split across the groups (each walks every GROUP_PROGRAMS-th group): bounds the launch
+# size for a bank of many slots while a few busy adapters still run side by side
+GROUP_PROGRAMS = 4
+_TILE = 8192  # elements of the largest register tile (weights slice, rows block) of one program
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _prec(t: torch.Tensor) -> str:
+    # fp32 stacks: exact fp32 products (no TF32), as the fallback's fp32 matmuls; ignored for bf16/fp16
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _rows_block(n: int, r_pad: int) -> int:
+    return max(16, min(64, _pow2(n), _TILE // r_pad))
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or offsets.shape != (w.shape[0],):
+        raise ValueError(f"lora decode kernels: bad shapes x {tuple(x.shape)}, w {tuple(w.shape)}, offsets {tuple(offsets.shape)}")
+    if w.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("lora decode kernels need unit stride along the last dimension")
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    offsets: torch.Tensor,
+    n_rows: torch.Tensor | None = None,
+    skip_first: bool = False,
+) -> torch.Tensor:
+    """``h[rows of g] = x[rows of g] @ A[g].T`` in fp32 (``x`` ``[N, in]``, ``A`` ``[G, r, in]``) ->
+    ``[N, r]``. Rows of no group, rows from ``n_rows[0]`` on (an int32 device scalar, optional) and,
+    with ``skip_first``, rows of group 0 (whose factors must then be zeros) are left at zero."""
+    _check(x, A, offsets)
+    N, K = x.shape
+    G, R, _ = A.shape
+    h = torch.zeros(N, R, dtype=torch.float32, device=x.device)
+    first = 1 if skip_first else 0
+    if N == 0 or G <= first:
+        return h
+    r_pad = max(16, _pow2(R))
+    # ~64 K-splits per group (block of 32..128 columns; smaller blocks for big ranks)
+    block_k = max(16, min(128, max(32, _pow2(triton.cdiv(K, 64))), _TILE // r_pad))
+    block_m = _rows_block(N, r_pad)
+    gstride = min(G - first, GROUP_PROGRAMS)
+    grid = (gstride, triton.cdiv(K, block_k))
+    _lora_shrink_kernel[grid](
+        x, A, h, offsets, n_rows if n_rows is not None else offsets,
+        x.stride(0), A.stride(0), A.stride(1), h.stride(0),
+        K, R, G,
+        FIRST=first, HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
+        BLOCK_M=block_m, BLOCK_K=block_k, R_PAD=r_pad, PREC=_prec(A), num_warps=4,
+    )
+    return h
+
+
+def lora_expand_add(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    B: torch.Tensor,
+    offsets: torch.Tensor,
+    n_rows: torch.Tensor | None = None,
+    skip_first: bool = False,
+) -> torch.Tensor:
+    """``y[rows of g] += h[rows of g] @ B[g].T`` in place (``h`` ``[N, r]``, ``B`` ``[G, out, r]``,
+    ``y`` ``[N, out]`` of any float dtype: the sum is formed in fp32 and rounded once); rows skipped
+    as in :func:`lora_shrink` are left untouched. Returns ``y``."""
+    _check(h, B, offsets)
+    if y.dim() != 2 or y.stride(-1) != 1 or y.shape != (h.shape[0], B.shape[1]):
+        raise ValueError(f"lora_expand_add: y {tuple(y.shape)} does not match h {tuple(h.shape)}, B {tuple(B.shape)}")
+    N, R = h.shape
+    G, n_out, _ = B.shape
+    first = 1 if skip_first else 0
+    if N == 0 or G <= first or n_out == 0:
+        return y
+    r_pad = max(16, _pow2(R))
+    # ~64 output blocks per group (32..128 columns; smaller blocks for big ranks)
+    block_o = max(16, min(128, max(32, _pow2(triton.cdiv(n_out, 64))), _TILE // r_pad))
+    block_m = _rows_block(N, r_pad)
+    block_m = max(16, min(block_m, _TILE // block_o))  # the [BLOCK_M, BLOCK_O] delta tile
+    gstride = min(G - first, GROUP_PROGRAMS)
+    grid = (gstride, triton.cdiv(n_out, block_o))
+    _lora_expand_kernel[grid](
+        h, B, y, offsets, n_rows if n_rows is not None else offsets,
+        h.stride(0), B.stride(0), B.stride(1), y.stride(0),
+        n_out, R, G,
+        FIRST=first, HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
+        BLOCK_M=block_m, BLOCK_O=block_o, R_PAD=r_pad, PREC=_prec(B), num_warps=4,
+    )
+    return y
+
+
+def lora_delta_torch(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The reference delta: two grouped products (``x.dtype``)."""
+    return grouped_linear(grouped_linear(x, A, offsets), B, offsets)
+
+
+def triton_ok(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`lora_delta_add` takes the Triton path for these (floating) tensors."""
+    return (
+        _STATE["ok"]
+        and fused.use_triton(*tensors)
+        and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in tensors)
+    )
+
+
+def lora_delta_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    offsets: torch.Tensor,
+    n_rows: torch.Tensor | None = None,
+    skip_first: bool = False,
+) -> torch.Tensor:
+    """``y + x[rows of g] @ A[g].T @ B[g].T`` for every group ``g`` (``x`` ``[..., in]``, ``y``
+    ``[..., out]``). The Triton path adds into ``y`` in place (and returns it); the fallback returns
+    ``y + delta`` (two grouped products). ``n_rows`` (int32 device scalar) and ``skip_first`` (group 0
+    has zero factors) only let the Triton path skip rows whose delta is zero or unused (padding)."""
+    if triton_ok(y, x, A, B) and fused.use_triton(offsets):
+        try:
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else None
+            if y2 is not None:
+                h = lora_shrink(x2, A, offsets, n_rows, skip_first)
+                lora_expand_add(y2, h, B, offsets, n_rows, skip_first)
+                return y
+        except Exception as e:  # e.g. a GPU/Triton combination the kernels were never compiled for
+            if fused.INTERPRET:
+                raise
+            _STATE["ok"] = False
+            warnings.warn(f"LoRA decode kernels failed ({type(e).__name__}: {e}); using grouped products", stacklevel=2)
+    return y + lora_delta_torch(x, A, B, offsets)

@@ -1,0 +1,141 @@
+"""The decode LoRA kernels (split-K shrink, fused expand-add) equal a float64 reference
+(run on the CPU through Triton's interpreter)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import types
+    import torch
+    # Triton 3.6's interpreter converts loop bounds with int() of a 1-element array, which
+    # NumPy 2 refuses; take the element instead (interpreter only: compiled kernels are unaffected)
+    import triton.runtime.interpreter as interp
+    _patch = interp._patch_lang_tensor
+    def _patched(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interp._patch_lang_tensor = _patched
+    # the interpreter's tl.dot multiplies bf16 operands as their raw uint16 bits; widen them to fp32
+    # first (exact; interpreter only: on the GPU the product runs on the tensor cores)
+    import numpy as np
+    import triton.language as tl
+    _dot = interp.InterpreterBuilder.create_dot
+    def _widen(t):
+        if t.dtype == tl.bfloat16:
+            return interp.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return t
+    interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: _dot(self, _widen(a), _widen(b), d, *args)
+
+    from ember.core.kernels import fused, lora_decode as ld
+    from ember.core.sampling.graphs import StaticRoute
+    assert fused.use_triton(torch.zeros(1)) and ld.triton_ok(torch.zeros(1))
+
+    def stacks(G, R, rank, K, O, dtype, zero_first=True, seed=0):
+        # as LoraStacks builds them: rank padded up to the stack's R with zeros, slot 0 zeros
+        g = torch.Generator().manual_seed(seed)
+        A = torch.randn(G, R, K, generator=g) / K ** 0.5
+        B = torch.randn(G, O, R, generator=g) / rank ** 0.5
+        A[:, rank:] = 0
+        B[:, :, rank:] = 0
+        if zero_first:
+            A[0] = 0
+            B[0] = 0
+        return A.to(dtype), B.to(dtype)
+
+    def reference(y, x, A, B, offs, n_rows=None, skip_first=False):
+        ref = y.double().clone()
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            end_ = min(end, n_rows) if n_rows is not None else end
+            start_ = min(start, end_)
+            if end_ > start_ and not (skip_first and g == 0):
+                ref[start_:end_] += x[start_:end_].double() @ A[g].double().T @ B[g].double().T
+            start = end
+        return ref
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+    def check(name, got, ref, tol):
+        err = rel(got, ref)
+        assert err <= tol, (name, err)
+        print(f"{name}: {err:.1e}")
+
+    # (sizes of the groups, stack rank R, adapter rank, in, out)
+    cases = [
+        ([3, 0, 20, 0, 14], 32, 24, 200, 150),     # empty groups, rows not a multiple of the block
+        ([0, 70, 0, 45, 5], 48, 40, 96, 520),    # stack rank 48 (padded to 64), 2 row blocks in a group
+        ([9, 0, 0], 16, 16, 4096 + 24, 33),        # big in (128-wide K blocks), one real group
+        ([0, 0, 0, 0], 32, 32, 64, 64),            # only one (padding) row, in the last group
+        ([2, 0, 0, 5, 0, 0, 0, 3, 0, 1, 4], 16, 16, 64, 48),  # more groups than programs per split
+    ]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)):
+        for i, (sizes, R, rank, K, O) in enumerate(cases):
+            N = max(sum(sizes), 1)
+            offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+            offs[-1] = N
+            for zero_first in (True, False):
+                A, B = stacks(len(sizes), R, rank, K, O, dtype, zero_first, seed=i)
+                x = torch.randn(N, K).to(dtype)
+                y0 = torch.randn(N, O).to(dtype)
+                skip = zero_first
+                # shrink alone: fp32 h
+                h = ld.lora_shrink(x, A, offs, skip_first=skip)
+                assert h.dtype == torch.float32 and h.shape == (N, R)
+                href = torch.zeros(N, R, dtype=torch.float64)
+                s = 0
+                for g, e in enumerate(offs.tolist()):
+                    if e > s and not (skip and g == 0):
+                        href[s:e] = x[s:e].double() @ A[g].double().T
+                    s = e
+                check(f"shrink {dtype} case {i} zero_first={zero_first}", h, href, 1e-5)
+                # the whole delta, added in place
+                y = y0.clone()
+                out = ld.lora_delta_add(y, x, A, B, offs, skip_first=skip)
+                assert out.data_ptr() == y.data_ptr() and out.dtype == dtype
+                check(f"delta_add {dtype} case {i} zero_first={zero_first}", y, reference(y0, x, A, B, offs), tol)
+                # padding rows (from n_rows on) are left untouched
+                n_real = max(N - 4, 0)
+                y = y0.clone()
+                ld.lora_delta_add(y, x, A, B, offs, torch.tensor([n_real], dtype=torch.int32), skip_first=skip)
+                assert torch.equal(y[n_real:], y0[n_real:])
+                check(f"delta_add rows {dtype} case {i}", y, reference(y0, x, A, B, offs, n_real), tol)
+
+    # an fp32 output (the LM head's logits) with bf16 activations and stacks; 3-d activations
+    A, B = stacks(3, 32, 32, 128, 300, torch.bfloat16)
+    offs = torch.tensor([2, 9, 13], dtype=torch.int32)
+    x = torch.randn(13, 128).bfloat16()
+    y0 = torch.randn(13, 300)
+    y = ld.lora_delta_add(y0.clone(), x, A, B, offs, skip_first=True)
+    assert y.dtype == torch.float32
+    check("delta_add fp32 logits", y, reference(y0, x, A, B, offs), 1e-2)
+    x3 = torch.randn(1, 13, 128)
+    A, B = A.float(), B.float()
+    y3 = ld.lora_delta_add(torch.zeros(1, 13, 300), x3, A, B, offs)
+    check("delta_add 3-d", y3[0], reference(torch.zeros(13, 300), x3[0], A, B, offs), 1e-5)
+
+    # StaticRoute on the kernels equals the grouped-product formula
+    st = types.SimpleNamespace(stacks={"m": (A, B)})
+    W = torch.randn(300, 128)
+    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32))
+    xf = torch.randn(13, 128)
+    ref = xf @ W.T + ld.lora_delta_torch(xf, A, B, offs)
+    check("route.linear", route.linear("m", xf, W, None)[:11], ref[:11], 1e-5)
+    check("route.delta", route.delta("m", xf)[:11], ld.lora_delta_torch(xf, A, B, offs)[:11], 1e-5)
+    assert route.delta("other", xf) is None and route.linear("other", xf, W, None).equal(xf @ W.T)
+    print("OK")
+    """
+)
+
+
+def test_lora_decode_kernels_match_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

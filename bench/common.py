@@ -1,13 +1,24 @@
-"""Shared pieces of the GPU benchmarks: model shapes, timing, FLOP counts, hardware line."""
+"""Shared pieces of the GPU benchmarks: model shapes, timing, FLOP counts, hardware line, and the
+transformers + PEFT baseline built over an Ember model's weights."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
 
 import torch
+
+# ---------------------------------------------------------------------------------------------
+# Full-size shapes (HF ``config.json`` fields, random weights). Each fits one 141 GB H200 in bf16
+# with room for a LoRA training step; families whose real model does not fit get a layer-reduced
+# shape: the real widths with fewer layers (name suffix ``-<n>l``). "Measured" peaks: Ember
+# ``bench/train_step.py --only ember-1`` (rank 32, 8 x 2048 tokens) on the H200, 2026-11-30.
+# ---------------------------------------------------------------------------------------------
 
 # Qwen3-8B shape (shared/perf_targets.md), random weights.
 QWEN3_8B = {
@@ -45,7 +56,286 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False,
 }
 
-# A tiny shape to smoke-test the benchmark scripts on the CPU.
+# Olmo 3 7B (allenai/Olmo-3-1025-7B), all 32 layers: ~7.3 B parameters, 14.6 GB in bf16. Widths,
+# MHA (32 KV heads), the 3 sliding (4096) : 1 full layer pattern, rope theta 5e5 and the YaRN x8
+# (from 8192) on the full-attention layers as in OLMo-core's olmo3_7B and public copies of the
+# released config.json (legacy rope_theta + rope_scaling form, which both transformers and Ember read
+# as "YaRN on full-attention layers only"). vocab_size 100278 is the Dolma-2 tokenizer's real size
+# as we remember the HF config (OLMo-core pads the embedding to 100352 rows): unverified here, and
+# immaterial to step time. Measured peak 88.6 GiB in one pass.
+OLMO3_7B = {
+    "model_type": "olmo3",
+    "vocab_size": 100278,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 4096,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "attention_factor": 1.2079441541679836,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    "attention_bias": False,
+    "eos_token_id": 100257,
+    "pad_token_id": 100277,
+    "tie_word_embeddings": False,
+}
+
+# GLM-4.7-Flash (zai-org/GLM-4.7-Flash, transformers ``glm4_moe_lite``), all 47 layers: ~30 B
+# parameters (~3 B active), ~60 GB in bf16. MLA (q_lora 768, kv_lora 512, d_nope 192, d_rope 64,
+# d_v 256, 20 heads), 64 routed experts top-4 + 1 shared, noaux_tc sigmoid router (one group),
+# routed scale 1.8, layer 0 dense: shared/spec/models_and_rl.md §4.1 table, the transformers 5.23
+# Glm4MoeLiteConfig defaults and public copies of the released config.json agree on all of these.
+# rope theta 1e6 (spec; transformers' default is 1e4) and rms_norm_eps 1e-5 are from the released
+# config as copied publicly; the MTP layer (num_nextn_predict_layers 1) is not part of the model.
+# 8 x 2048 tokens in one pass runs out of memory; with --micro 4 the measured peak is 89.6 GiB.
+GLM_4_7_FLASH = {
+    "model_type": "glm4_moe_lite",
+    "vocab_size": 154880,
+    "hidden_size": 2048,
+    "intermediate_size": 10240,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 47,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 20,
+    "q_lora_rank": 768,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.8,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "first_k_dense_replace": 1,
+    "mlp_layer_types": ["dense"] + ["sparse"] * 46,
+    "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-5,
+    "rope_interleave": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": [154820, 154827, 154829],
+    "pad_token_id": 154820,
+    "tie_word_embeddings": False,
+}
+
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3, 61 layers: 671.0 B by Ember's count, ~1.3 TB in bf16, does not
+# fit), LAYER-REDUCED
+# to 4 layers: the 3 dense layers (first_k_dense_replace) + 1 MoE layer, real widths: ~15 B
+# parameters, ~30 GB in bf16. Widths, MLA, 256 routed experts top-8 in 8 groups (4 kept) + 1 shared,
+# scale 2.5, vocab and YaRN x40 (from 4096, mscale = mscale_all_dim = 1): shared/spec §4.1 table and
+# transformers 5.23 DeepseekV3Config defaults; the YaRN parameters and max_position_embeddings 163840
+# are the released config.json's as we know them. MTP layer (61) not included. (On the H200 on
+# 2026-11-30 Ember's step failed in attention, "v must have shape (total_k, num_heads_k,
+# head_size_og)": the varlen kernel with d_v 128 != d_qk 192; GLM-4.7-Flash has d_v = d_qk.)
+DEEPSEEK_V3_4L = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "head_dim": 64,  # = qk_rope_head_dim, as transformers writes it
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "first_k_dense_replace": 3,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_interleave": True,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+# Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-*, 48 layers: 79.7 B parameters by Ember's count, ~160 GB
+# in bf16, does not fit),
+# LAYER-REDUCED to 8 layers (two of its 3 Gated-DeltaNet : 1 gated-attention groups), real widths:
+# ~13.6 B parameters, ~27 GB in bf16. Values: transformers 5.23 Qwen3NextConfig defaults (which are
+# this model's), with the released config's rope theta 1e7 (the default is 1e4); intermediate_size
+# 5120 is the released value as we remember it and unused (every layer is MoE). Measured peak
+# 85.2 GiB in one pass.
+QWEN3_NEXT_80B_A3B_8L = {
+    "model_type": "qwen3_next",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+    "full_attention_interval": 4,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "tie_word_embeddings": False,
+}
+
+# Qwen3.8-Flash-Next (Qwen/Qwen3.8-Flash-Next, transformers ``qwen4_exp``; 48 layers: 125.7 B
+# parameters + the 51.2 B n-gram table = 176.9 B by Ember's count, cf. the spec's "125 B" / "176 B"
+# model-card figures; does not fit), LAYER-REDUCED to 8 layers (two 3 GDN : 1
+# QSA-attention groups), real widths: ~21.7 B parameters, ~43 GB in bf16. Values: the released text
+# config as given in shared/spec/models_and_rl.md §3.1 (hidden 2560, 24/2 heads x 256, GDN 16/48
+# heads x 128 with a sigmoid output gate, 512 experts top-10 x 640 + shared 640, 4 hyper-connection
+# streams of rank 320, QSA indexer 4 heads x 128 with budget 2048 / blocks of 4, rope theta 1e7 on a
+# quarter of head_dim; text-only, so the interleaved MRoPE sections reduce to 1-D rope and are left
+# out). NOT as released: ``ple_layer_ids`` is empty. The real model reads its 51.2 B-parameter
+# (95 GiB bf16) hashed n-gram table (PLE) at layer 2, and Ember keeps that table on the device: with
+# it the shape would not leave room for a training step. The tiny-qwen4-exp shape has a PLE layer.
+# 8 x 2048 tokens in one pass runs out of memory; with --micro 4 the measured peak is 74.8 GiB.
+QWEN3_8_FLASH_NEXT_8L = {
+    "model_type": "qwen4_exp_text",
+    "vocab_size": 248320,
+    "hidden_size": 2560,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "output_gate_type": "sigmoid",
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+    "moe_intermediate_size": 640,
+    "shared_expert_intermediate_size": 640,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "norm_topk_prob": True,
+    "hc_count": 4,
+    "hc_lowrank": 320,
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 128,
+    "indexer_budget": 2048,
+    "indexer_compress_ratio": 4,
+    "ple_layer_ids": [],
+    "ple_embed_dim": 2560,
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20000000,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "seed": 1234,
+    "split_ngram_parts": 128,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "attention_bias": False,
+    "eos_token_id": 248044,
+    "tie_word_embeddings": False,
+}
+
+# Inkling-2-Small (thinkingmachines/Inkling-2-Small, transformers ``inkling2``; 594 B total / 17 B
+# active, 48 layers, ~1.2 TB in bf16: does not fit), LAYER-REDUCED to 3 layers, real widths: ~38.8 B
+# parameters, ~78 GB in bf16 (each layer's 384 experts alone are 12.2 B). Values: transformers 5.23
+# Inkling2TextConfig defaults, which we take to be the released model's (not checked against its
+# config.json): with 48 layers Ember builds 593.7 B parameters (~18.9 B matmul parameters per token,
+# LM head included) for the stated 594 B / 17 B, and they have its window 1024, d_rel 16, 384
+# experts top-8 and softcap 30 (shared/spec/models_and_rl.md §2.1; its §2.7 lists the other values
+# as still to be read from the checkpoint). Layer types: two sliding-window layers and one global layer (the real
+# pattern is 5 sliding : 1 global; 6 layers would not leave room for a training step), so the
+# 6-layer attention-residual block is cut after 3 layers. Measured peak 121.5 GiB in one pass (the
+# first step took 210 s, mostly before the GPU got busy).
+INKLING2_SMALL_3L = {
+    "model_type": "inkling2_text",
+    "vocab_size": 201024,
+    "unpadded_vocab_size": 200058,
+    "hidden_size": 4608,
+    "num_hidden_layers": 3,
+    "layer_types": ["hybrid_sliding", "hybrid_sliding", "hybrid"],
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "swa_num_attention_heads": 48,
+    "swa_num_key_value_heads": 8,
+    "swa_head_dim": 128,
+    "sliding_window_size": 1024,
+    "d_rel": 16,
+    "rel_extent": 1024,
+    "log_scaling_n_floor": 128000,
+    "log_scaling_alpha": 0.1,
+    "conv_kernel_size": 4,
+    "moe_intermediate_size": 2304,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 8,
+    "route_scale": 8.0,
+    "scoring_func": "sigmoid",
+    "qk_l2_clip_threshold": 22.627416997969522,
+    "rel_l2_clip_threshold": 8.0,
+    "n_layers_per_attn_res_block": 6,
+    "mlp_gate_softcap": 4.0,
+    "mlp_up_softcap": 25.0,
+    "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": 200006,
+    "tie_word_embeddings": False,
+}
+
+# ---------------------------------------------------------------------------------------------
+# Tiny CPU smoke shapes, one per family. Except TINY / TINY_MOE (the original smoke shapes), the field
+# values are the tiny configs the parity tests build and check against transformers (file named
+# above each), so every one is known to build; fields transformers' config class would fill with
+# a default that Ember's reader does not share are spelled out.
+# ---------------------------------------------------------------------------------------------
+
+# qwen3
 TINY = {
     "model_type": "qwen3",
     "vocab_size": 1024,
@@ -60,6 +350,7 @@ TINY = {
     "tie_word_embeddings": False,
 }
 
+# qwen3_moe
 TINY_MOE = {
     **TINY,
     "model_type": "qwen3_moe",
@@ -67,6 +358,231 @@ TINY_MOE = {
     "num_experts": 8,
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
+}
+
+# llama: tests/tiny_models.py COMMON + its llama3 rope
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+# deepseek_v3: tests/parity/test_deepseek_v3.py BASE + case "deepseek_yarn" (q latent, 4 groups of
+# which 2 kept, two shared experts, one dense layer, YaRN with mscale != mscale_all_dim)
+_TINY_MLA = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "kv_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 12,
+    "max_position_embeddings": 256,
+    "norm_topk_prob": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+TINY_DEEPSEEK_V3 = {
+    **_TINY_MLA,
+    "model_type": "deepseek_v3",
+    "head_dim": 8,  # = qk_rope_head_dim, as transformers writes it
+    "q_lora_rank": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 3,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 0.9,
+        "mscale_all_dim": 0.7,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+}
+
+# glm4_moe_lite (GLM-4.7-Flash): tests/parity/test_deepseek_v3.py BASE + case "glm4_moe_lite" (dense
+# layers from mlp_layer_types, one group, theta 1e6)
+TINY_GLM4_MOE_LITE = {
+    **_TINY_MLA,
+    "model_type": "glm4_moe_lite",
+    "q_lora_rank": 32,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 1.8,
+    "mlp_layer_types": ["sparse", "dense", "sparse"],
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+
+# olmo3: tests/parity/test_olmo3.py build_hf (three sliding-window layers of 8 + one full layer with
+# YaRN; legacy rope_theta + rope_scaling form)
+TINY_OLMO3 = {
+    "model_type": "olmo3",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    "eos_token_id": 1,
+    "rope_theta": 20000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "attention_factor": 1.2,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
+    "tie_word_embeddings": False,
+}
+
+# qwen3_next: tests/parity/test_qwen3_next.py build_hf (GDN, attention, GDN with a dense MLP, attention)
+_TINY_GDN = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    "tie_word_embeddings": False,
+}
+TINY_QWEN3_NEXT = {
+    **_TINY_GDN,
+    "model_type": "qwen3_next",
+    "intermediate_size": 96,
+    "mlp_only_layers": [2],
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+}
+
+# qwen4_exp (Qwen3.8-Flash-Next): tests/parity/test_qwen4_exp.py build_hf (GDN, GDN with the PLE
+# n-gram memory, QSA attention with a budget of 8 tokens in 2-token blocks, GDN; 4 residual streams)
+TINY_QWEN4_EXP = {
+    **_TINY_GDN,
+    "model_type": "qwen4_exp_text",
+    "hc_count": 4,
+    "hc_lowrank": 16,
+    "ple_layer_ids": [2],
+    "ple_embed_dim": 32,
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 50,
+    "make_ngram_vocab_size_divisible_by": 8,
+    "split_ngram_parts": 2,
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 2,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "eos_token_id": 1,
+    "output_gate_type": "sigmoid",
+}
+
+# inkling2 (Inkling-2): tests/parity/test_inkling2.py TINY (window 5, global relative extent 12,
+# global layers 0 and 5, attention-residual blocks of 3, log scaling from position 4, L2 clips,
+# softcaps, padded vocabulary 320 of which 300 are tokens)
+TINY_INKLING2 = {
+    "model_type": "inkling2_text",
+    "vocab_size": 320,
+    "unpadded_vocab_size": 300,
+    "hidden_size": 64,
+    "num_hidden_layers": 7,
+    "layer_types": ["hybrid"] + ["hybrid_sliding"] * 4 + ["hybrid", "hybrid_sliding"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 1,
+    "swa_head_dim": 8,
+    "sliding_window_size": 5,
+    "d_rel": 4,
+    "rel_extent": 12,
+    "log_scaling_n_floor": 4,
+    "log_scaling_alpha": 0.3,
+    "qk_l2_clip_threshold": 4.0,
+    "rel_l2_clip_threshold": 1.5,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "route_scale": 2.5,
+    "n_layers_per_attn_res_block": 3,
+    "mlp_gate_softcap": 2.0,
+    "mlp_up_softcap": 3.0,
+    "final_logit_softcapping": 4.0,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+# Every shape the benchmarks accept (--shape), by name.
+SHAPES: dict[str, dict] = {
+    "qwen3-8b": QWEN3_8B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "olmo3-7b": OLMO3_7B,
+    "glm-4.7-flash": GLM_4_7_FLASH,
+    "deepseek-v3-4l": DEEPSEEK_V3_4L,
+    "qwen3-next-80b-a3b-8l": QWEN3_NEXT_80B_A3B_8L,
+    "qwen3.8-flash-next-8l": QWEN3_8_FLASH_NEXT_8L,
+    "inkling2-small-3l": INKLING2_SMALL_3L,
+    "tiny": TINY,
+    "tiny-moe": TINY_MOE,
+    "tiny-llama": TINY_LLAMA,
+    "tiny-deepseek-v3": TINY_DEEPSEEK_V3,
+    "tiny-glm4-moe-lite": TINY_GLM4_MOE_LITE,
+    "tiny-olmo3": TINY_OLMO3,
+    "tiny-qwen3-next": TINY_QWEN3_NEXT,
+    "tiny-qwen4-exp": TINY_QWEN4_EXP,
+    "tiny-inkling2": TINY_INKLING2,
 }
 
 PEAK_BF16_FLOPS = 790e12  # measured 8192^3 bf16 matmul rate of this H200 (shared/perf_targets.md)
@@ -90,26 +606,243 @@ def hardware_line() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def ember_config(cfg: dict):
+    """Ember's :class:`~ember.core.config.ModelConfig` of an HF-config shape dict."""
+    from ember.core.config import config_from_hf
+
+    return config_from_hf(cfg)
+
+
+def token_vocab(cfg: dict) -> int:
+    """Token ids a request may use (Inkling-2 pads its embedding rows beyond the real vocabulary)."""
+    return ember_config(cfg).vocab_size
+
+
+def random_ember_model(cfg: dict, device: str, dtype: torch.dtype, seed: int = 0):
+    """Ember's ``random_model`` of shape ``cfg`` (std 0.02, norms at identity; the parameters a family
+    keeps in fp32 stay fp32), with the parameters created in ``dtype`` from the start: materialised
+    in the default fp32 first, the largest shapes (inkling2-small-3l) would need twice their memory."""
+    from ember.core.loading import random_model
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return random_model(ember_config(cfg), device, dtype, seed=seed)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@functools.cache
+def _meta_model(key: str):
+    from ember.core.loading import build_empty
+
+    return build_empty(ember_config(json.loads(key)))
+
+
 def active_params(cfg: dict) -> float:
-    """Matmul parameters a token passes through (embedding lookup excluded, LM head included)."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    attn = h * d * (2 * nq + 2 * nkv)
-    if cfg.get("num_experts"):
-        mlp = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"] + h * cfg["num_experts"]
-    else:
-        mlp = 3 * h * cfg["intermediate_size"]
-    return layers * (attn + mlp) + h * cfg["vocab_size"]
+    """Matmul parameters a token passes through: every weight of Ember's build of the shape (on the
+    meta device) but 1-D ones and embedding lookups (the token embedding, n-gram tables), the LM
+    head included, routed experts counted ``top_k / num_experts``."""
+    from ember.core.layers.moe import Experts
+
+    model = _meta_model(json.dumps(cfg, sort_keys=True))
+    top_k = int(model.config.raw.get("num_experts_per_tok") or 1)
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    lookups.discard(id(model.lm_head.weight))  # a tied head is a matmul
+    share = {
+        id(p): top_k / m.num_experts for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)
+    }
+    total = 0.0
+    for p in model.parameters():
+        if p.dim() >= 2 and id(p) not in lookups:
+            total += p.numel() * share.get(id(p), 1.0)
+    return total
+
+
+def attention_layers(cfg: dict) -> list[tuple[int, int, int, int | None]]:
+    """``(query heads, q·k head dim, v head dim, window)`` of each softmax-attention layer (window
+    ``None``: full causal). Gated DeltaNet layers have none; a QSA layer counts as a window of its
+    token budget; MLA as its per-head ``d_nope + d_rope`` / ``d_v``."""
+    c = ember_config(cfg)
+    raw, family = c.raw, c.model_type
+    if family in ("deepseek_v3", "glm4_moe_lite"):
+        dqk = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
+        return [(c.num_heads, dqk, int(raw["v_head_dim"]), None)] * c.num_layers
+    if family in ("inkling2", "inkling2_text"):
+        from ember.core.models.inkling2 import Inkling2Dims
+
+        d = Inkling2Dims.from_config(c)
+        full, local = (d.heads, d.head_dim, d.head_dim, None), (d.swa_heads, d.swa_head_dim, d.swa_head_dim, d.window)
+        return [full if t == "hybrid" else local for t in d.layer_types]
+    if family in ("qwen3_next", "qwen4_exp", "qwen4_exp_text"):
+        from ember.core.models.qwen3_next import layer_types
+
+        budget = raw.get("indexer_budget") if raw.get("indexer_n_heads") is not None else None
+        kinds = layer_types(c, "full_attention")
+        return [(c.num_heads, c.head_dim, c.head_dim, budget) for k in kinds if k == "attention"]
+    if family == "olmo3":
+        from ember.core.models.olmo3 import layer_types
+
+        window = raw.get("sliding_window", 4096)
+        return [(c.num_heads, c.head_dim, c.head_dim, window if t == "sliding_attention" else None) for t in layer_types(c)]
+    specs = [c.attention_spec(i) for i in range(c.num_layers)]
+    return [(c.num_heads, c.head_dim, c.head_dim, s.window if s.kind == "sliding" else None) for s in specs]
+
+
+def causal_pairs(s: int, window: int | None) -> float:
+    """(query, key) pairs of causal attention over ``s`` tokens, keys within ``window`` (≈ s²/2 full)."""
+    if window is None or window >= s:
+        return s * s / 2
+    return s * window - window * window / 2
 
 
 def train_flops(cfg: dict, seq_lens: list[int]) -> float:
     """LoRA step FLOPs: 4·N·T (forward + activation gradients; frozen base has no weight gradients)
-    plus causal attention (forward 2·S²·H·D, backward twice that)."""
+    plus softmax attention, forward 2·pairs·H·(d_qk + d_v) (2·S²·H·D for full causal attention),
+    backward twice that. Approximate for the newer families: linear-attention state updates, relative
+    position biases and the QSA indexer's scoring are not counted."""
     tokens = sum(seq_lens)
-    n = active_params(cfg)
-    hd = cfg["num_attention_heads"] * cfg["head_dim"]
-    attn = sum(3 * 2 * s * s * hd for s in seq_lens) * cfg["num_hidden_layers"]
-    return 4 * n * tokens + attn
+    attn = sum(
+        3 * 2 * causal_pairs(s, window) * heads * (dqk + dv)
+        for heads, dqk, dv, window in attention_layers(cfg)
+        for s in seq_lens
+    )
+    return 4 * active_params(cfg) * tokens + attn
+
+
+# ---------------------------------------------------------------------------------------------
+# The transformers + PEFT baseline, over the Ember model's weights (same tensors, not copies).
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_baseline_unavailable(cfg: dict) -> str | None:
+    """Why transformers + PEFT cannot run this shape here (``None`` if they can): Ember's reference
+    version is transformers 5.23; an older one (e.g. 5.17 on the GPU machine's image) may not know
+    the newer families (``qwen4_exp``, ``inkling2``)."""
+    try:
+        import peft  # noqa: F401
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError as e:
+        return f"transformers / peft not importable ({e})"
+    if cfg["model_type"] not in CONFIG_MAPPING:
+        return (
+            f"transformers {transformers.__version__} has no model_type {cfg['model_type']!r} "
+            "(Ember's parity reference is transformers 5.23)"
+        )
+    return None
+
+
+def hf_model_like(model, cfg: dict, dtype: torch.dtype, device: str, experts_implementation: str | None = None):
+    """transformers' causal LM of shape ``cfg`` running on ``model``'s weights: built on the meta
+    device, each parameter rebound to the Ember tensor of the same name (nothing is copied), router
+    correction biases taken from Ember, every other buffer (rotary tables, n-gram hash constants)
+    set by the family's own ``_init_weights``. SDPA attention where the family has it, else eager."""
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**cfg)
+    attempts = [{"attn_implementation": "sdpa"}, {"attn_implementation": "eager"}]
+    if experts_implementation:
+        attempts.insert(0, {"attn_implementation": "sdpa", "experts_implementation": experts_implementation})
+    errors = []
+    for kwargs in attempts:
+        try:
+            with torch.device("meta"):
+                hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kwargs)
+            break
+        except Exception as e:  # noqa: BLE001 - try the next implementation, report all if none works
+            errors.append(f"{kwargs}: {type(e).__name__}: {str(e)[:160]}")
+    else:
+        raise RuntimeError("transformers could not build the model: " + "; ".join(errors))
+    if errors:
+        print(f"hf: built with {kwargs} ({'; '.join(errors)})", flush=True)
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    ours.update(model.named_buffers(remove_duplicate=False))
+    modules = list(hf.named_modules())
+    # buffers Ember has not: allocate and let the family initialise them, before any parameter is
+    # rebound (a module's _init_weights also re-initialises its parameters: still meta tensors here)
+    to_init = []
+    for prefix, mod in modules:
+        fresh = False
+        for n, b in list(mod._buffers.items()):
+            if b is not None and f"{prefix}.{n}".lstrip(".") not in ours:
+                mod._buffers[n] = torch.empty_like(b, device=device)
+                fresh = True
+        if fresh:
+            to_init.append(mod)
+    with torch.no_grad():
+        for mod in to_init:
+            hf._init_weights(mod)
+    missing = []
+    for prefix, mod in modules:
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(mod, kind)
+            for n, t in list(table.items()):
+                name = f"{prefix}.{n}".lstrip(".")
+                if t is None or (kind == "_buffers" and name not in ours):
+                    continue
+                src = ours.get(name)
+                if src is None or src.shape != t.shape:
+                    missing.append(f"{name} {tuple(t.shape)} (Ember: {None if src is None else tuple(src.shape)})")
+                    continue
+                src = src.detach()
+                table[n] = torch.nn.Parameter(src, requires_grad=False) if kind == "_parameters" else src.to(t.dtype)
+    if missing:
+        raise ValueError(f"transformers' weights do not match Ember's: {', '.join(missing[:5])}")
+    return hf
+
+
+def peft_targets(model, categories=("attn", "mlp")) -> tuple[list[str], list[str]]:
+    """PEFT ``target_modules`` and ``target_parameters`` adapting the same weights as an Ember
+    adapter of ``categories`` (Ember's LoRA names are the transformers module paths)."""
+    modules, params = set(), set()
+    for t in model.lora_targets():
+        if t.category not in categories:
+            continue
+        if t.num_experts:
+            params.add(t.name.split(".layers.", 1)[-1].split(".", 1)[-1])  # mlp.experts.gate_up_proj
+        else:
+            modules.add(t.name.rsplit(".", 1)[-1])
+    # stacked experts: gate_up_proj first (PEFT wraps the first target_parameter innermost)
+    return sorted(modules), sorted(params, key=lambda p: (not p.endswith("gate_up_proj"), p))
+
+
+@contextlib.contextmanager
+def _peft_keeps_mlp_targets(active: bool):
+    """PEFT (with transformers 5) rewrites ``gate_proj``/``up_proj``/``down_proj`` targets of an MoE
+    model type onto the fused experts (its transformers-4 checkpoint conversion), which would strip
+    the dense-layer and shared-expert MLPs of their adapters; switch that off while the PEFT model is
+    built, as the parity tests do."""
+    conv = None
+    if active:
+        try:
+            import peft.utils.transformers_weight_conversion as conv
+        except ImportError:
+            conv = None
+    original = getattr(conv, "convert_peft_config_for_transformers", None)
+    if original is None:
+        yield
+        return
+    conv.convert_peft_config_for_transformers = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        conv.convert_peft_config_for_transformers = original
+
+
+def peft_model_like(hf, model, rank: int, alpha: float = 32.0):
+    """PEFT LoRA (rank ``rank``, dropout 0) over ``hf`` on the weights an Ember ``attn``+``mlp``
+    adapter of ``model`` adapts."""
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model
+
+    modules, params = peft_targets(model)
+    peft_cfg = PeftConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules, target_parameters=params or None
+    )
+    moe_mlp = bool(params) and bool({"gate_proj", "up_proj", "down_proj"} & set(modules))
+    with _peft_keeps_mlp_targets(moe_mlp):
+        return get_peft_model(hf, peft_cfg)
 
 
 def sync() -> None:

@@ -1,6 +1,8 @@
-"""Sampling on a Qwen3-8B-shaped model: Ember's sampler vs HF transformers generate + PEFT, one run.
+"""Sampling on a model of --shape (default Qwen3-8B): Ember's sampler vs HF transformers generate +
+PEFT, one run.
 
-Workloads (random bf16 weights, LoRA rank 32 on q,k,v,o,gate,up,down; temperature 1, no stop, so
+Workloads (random bf16 weights, LoRA rank 32 on the attention and MLP weights (q,k,v,o,gate,up,down
+for Qwen3; each family's own projections and experts otherwise); temperature 1, no stop, so
 every sequence generates exactly --new tokens):
 
 * a          --prompts (64) prompts x --prompt-len (128) tokens -> --new (256) tokens, one adapter,
@@ -9,7 +11,8 @@ every sequence generates exactly --new tokens):
 * b          --mixed-prompts (256) prompts over --adapters (8) adapters, round robin
 * b-1        the same prompts with one adapter (b / b-1 is the cost of mixing adapters)
 * hf         transformers generate on a PEFT model (same weights) for workload a: static cache when
-             it works, else the dynamic cache
+             it works, else the dynamic cache; skipped, with the reason printed, where the installed
+             transformers lacks the family
 * gap        bf16 rollout/trainer mismatch: |sampler logprob - trainer logprob| of the sampled tokens
              of workload a (the trainer's packed forward, same weights)
 
@@ -18,6 +21,10 @@ captures CUDA graphs), the median decode step at full batch against its memory-b
 ((weights + LoRA factors + KV cache read per step) / 4.3 TB/s), and time to the first token.
 "ttft cold" is from engine construction (model already in memory) to the first sampled token of a
 one-prompt request: KV allocation, Triton compilation and the first graph capture included.
+
+--shape takes every shape of bench/common.py. The static CUDA-graph decoder is for the dense
+families; others decode eagerly, and a family the sampler cannot run yet is reported as an error
+line for each workload (the other workloads still run).
 
     python bench/sample.py --out /tmp/bench            # on the GPU
     python bench/sample.py --shape tiny --new 16       # CPU smoke test
@@ -40,18 +47,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import COPY_BANDWIDTH, QWEN3_8B, TINY, TINY_MOE, hardware_line, sync
+from bench.common import (
+    COPY_BANDWIDTH,
+    SHAPES,
+    hardware_line,
+    hf_baseline_unavailable,
+    hf_model_like,
+    peft_model_like,
+    random_ember_model,
+    sync,
+    token_vocab,
+)
 from ember.core.adapters import AdapterBank, LoraConfig
 from ember.core.batch import pack
-from ember.core.config import config_from_hf
 from ember.core.layers.attention import PackedAttention
-from ember.core.loading import random_model
 from ember.core.logprobs import token_logprobs
 from ember.core.models.base import ForwardContext
 from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule
 from ember.core.sampling.engine import EngineStats
 
-SHAPES = {"qwen3-8b": QWEN3_8B, "tiny": TINY, "tiny-moe": TINY_MOE}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TARGETS = frozenset({"attn", "mlp"})
@@ -74,12 +88,12 @@ def fill_adapters(bank: AdapterBank, count: int, rank: int) -> list[int]:
 
 
 def weight_bytes(model, bank: AdapterBank, slots: list[int]) -> int:
-    """Bytes a decode step must read: every weight but the embedding table (a lookup), plus the LoRA
-    factors of the adapters in the batch (in the activation dtype)."""
-    emb = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
-    if model.config.tie_word_embeddings:
-        total += emb.numel() * emb.element_size()
+    """Bytes a decode step must read: every weight but the embedding tables (lookups: the token
+    embedding, n-gram tables), plus the LoRA factors of the adapters in the batch (in the activation
+    dtype)."""
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    lookups.discard(id(model.lm_head.weight))  # a tied head is read in full
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookups)
     esize = torch.finfo(DTYPE).bits // 8
     return total + sum(bank.get(s).num_parameters() * esize for s in set(slots) if s)
 
@@ -193,28 +207,10 @@ def logprob_gap(model, state, n_seqs: int = 16) -> dict:
 
 
 def run_hf(model, hf_cfg, prompts, new: int, rank: int) -> dict:
-    import transformers
-    from peft import LoraConfig as PeftConfig
-    from peft import get_peft_model
-
-    cfg = transformers.AutoConfig.for_model(**hf_cfg)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=DTYPE, attn_implementation="sdpa")
-    hf.to_empty(device=DEVICE)
-    ours = dict(model.named_parameters())
-    with torch.no_grad():  # share Ember's weights (same names), so both run the same model
-        for name, p in hf.named_parameters():
-            p.data = ours[name].data
-    inv, _ = type(hf.model.rotary_emb).compute_default_rope_parameters(cfg, device=DEVICE)
-    hf.model.rotary_emb.inv_freq = inv
-    hf.model.rotary_emb.original_inv_freq = inv.clone()
-    peft_cfg = PeftConfig(
-        r=rank,
-        lora_alpha=32,
-        lora_dropout=0.0,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    )
-    pm = get_peft_model(hf, peft_cfg).eval()
+    # share Ember's weights (same names), so both run the same model; LoRA on the weights an Ember
+    # attn+mlp adapter adapts
+    hf = hf_model_like(model, hf_cfg, DTYPE, DEVICE)
+    pm = peft_model_like(hf, model, rank).eval()
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
@@ -268,8 +264,8 @@ def main() -> None:
     hf_cfg = SHAPES[args.shape]
     torch.manual_seed(0)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
-    model = random_model(config_from_hf(hf_cfg), DEVICE, DTYPE, seed=0)
-    vocab = hf_cfg["vocab_size"]
+    model = random_ember_model(hf_cfg, DEVICE, DTYPE, seed=0)
+    vocab = token_vocab(hf_cfg)
     prompts = make_prompts(vocab, args.prompts, args.prompt_len)
     mixed = make_prompts(vocab, args.mixed_prompts, args.prompt_len, seed=1)
     graphs = not args.no_graphs
@@ -287,8 +283,13 @@ def main() -> None:
         "hf": lambda: run_hf(model, hf_cfg, prompts, args.new, args.rank),
     }
     results: dict[str, dict] = {}
+    hf_skip = hf_baseline_unavailable(hf_cfg)
     for name in only:
         if name == "gap":
+            continue
+        if name == "hf" and hf_skip:
+            print(f"{name:10s} skipped: {hf_skip}", flush=True)
+            results[name] = {"skipped": hf_skip}
             continue
         try:
             r = plan[name]()
@@ -296,7 +297,9 @@ def main() -> None:
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}
         results[name] = r
-        if "error" not in r:
+        if "error" in r:
+            print(f"{name:10s} error: {r['error']}", flush=True)
+        else:
             line = f"{name:10s} {r['tokens_per_s']:9.0f} tok/s  ({r['tokens']} tokens in {r['wall_s']:.2f}s)"
             if "decode_step_s" in r:
                 line += (
@@ -317,6 +320,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - report it with the other results
             traceback.print_exc()
             results["gap"] = {"error": f"{type(e).__name__}: {e}"}
+    elif "gap" in only:
+        results["gap"] = {"error": "needs workload a, which did not run"}
+        print(f"{'gap':10s} error: {results['gap']['error']}", flush=True)
     results.get("a", {}).pop("_state", None)
 
     def ratio(x, y):
@@ -335,6 +341,8 @@ def main() -> None:
             continue
         if "error" in r:
             print(f"| {name} | error: {r['error'][:80]} |")
+        elif "skipped" in r:
+            print(f"| {name} | skipped: {r['skipped'][:80]} |")
         elif "decode_step_s" in r:
             print(
                 f"| {name} | {r['tokens_per_s']:.0f} | {1e3 * r['decode_step_s']:.2f} | {1e3 * r['floor_step_s']:.2f} | "

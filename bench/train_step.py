@@ -1,4 +1,4 @@
-"""LoRA training step on a Qwen3-8B-shaped model: Ember vs HF transformers + PEFT, one run.
+"""LoRA training step on a model of --shape (default Qwen3-8B): Ember vs HF transformers + PEFT, one run.
 
 Each configuration runs forward_backward (cross_entropy) + optim_step over 8 sequences x 2048
 tokens in ONE pass:
@@ -7,13 +7,17 @@ tokens in ONE pass:
 * ember-8     8 adapters, one sequence each (bank of 32 slots, all 32 filled)
 * ember-32x1  one adapter used, bank of 32 slots all filled (cost of configured slots)
 * ember-1u    one adapter that also adapts the LM head (Tinker's default ``train_unembed``)
-* hf-peft     transformers + PEFT, same weights and batch (gradient checkpointing: it does not fit
-              in memory without it)
+* hf-peft     transformers + PEFT, same weights and batch, LoRA on the same weights as Ember's
+              attn+mlp adapter (gradient checkpointing: it does not fit in memory without it);
+              skipped, with the reason printed, where the installed transformers lacks the family
 
 Prints step time, tokens/s, peak and activation memory, MFU (4·N·T + attention FLOPs at 790
-TFLOP/s), and writes a JSON and a profile under --out. Run:
+TFLOP/s), and writes a JSON and a profile under --out. --shape takes every shape of
+bench/common.py (the families' full-size or layer-reduced shapes, and tiny-* CPU smoke shapes). Run:
 
     python bench/train_step.py --out /tmp/bench
+    python bench/train_step.py --shape glm-4.7-flash --micro 4 --out /tmp/bench   # see its shape's note
+    python bench/train_step.py --shape tiny-olmo3 --seqs 2 --seq-len 16 --warmup 0 --iters 1   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -32,36 +36,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
     PEAK_BF16_FLOPS,
-    QWEN3_8B,
-    QWEN3_30B_A3B,
-    TINY,
-    TINY_MOE,
+    SHAPES,
     MemoryMeter,
     hardware_line,
+    hf_baseline_unavailable,
+    hf_model_like,
     median,
+    peft_model_like,
+    random_ember_model,
     sync,
     time_steps,
+    token_vocab,
     train_flops,
 )
 from ember.core.adapters import LoraConfig
-from ember.core.config import config_from_hf
-from ember.core.loading import build_empty, init_random
 from ember.core.optim import AdamParams
 from ember.engine.worker import Worker
 from ember.types import Datum, ForwardBackwardInput
 
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "tiny-moe": TINY_MOE}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 HP = AdamParams(learning_rate=1e-4)
 
 
 def ember_model(hf_cfg: dict):
-    model = build_empty(config_from_hf(hf_cfg))
-    model.to_empty(device=DEVICE)
-    for p in model.parameters():
-        p.data = p.data.to(DTYPE)
-    return init_random(model, seed=0, std=0.02)
+    """Random weights (std 0.02, norms at identity) in DTYPE; the parameters a family keeps in fp32
+    (router correction biases) stay fp32."""
+    return random_ember_model(hf_cfg, DEVICE, DTYPE, seed=0)
 
 
 def make_batch(vocab: int, n_seq: int, seq_len: int, seed: int = 0) -> list[np.ndarray]:
@@ -127,40 +128,14 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
 
 
 def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):
-    import transformers
-    from peft import LoraConfig as PeftConfig
-    from peft import get_peft_model
-
-    cfg = transformers.AutoConfig.for_model(**hf_cfg)
-    moe = bool(hf_cfg.get("num_experts"))
-    kwargs = {"experts_implementation": "grouped_mm"} if moe and DEVICE == "cuda" else {}
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(
-            cfg, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32, attn_implementation="sdpa", **kwargs
-        )
-    # share Ember's weights (same names), so both run the same model
-    hf.to_empty(device=DEVICE)
-    ours = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.data = ours[name].data
-    inv, _ = type(hf.model.rotary_emb).compute_default_rope_parameters(cfg, device=DEVICE)
-    hf.model.rotary_emb.inv_freq = inv
-    hf.model.rotary_emb.original_inv_freq = inv.clone()
+    # the same weights (shared with Ember, same names), so both run the same model; LoRA on the
+    # weights an Ember attn+mlp adapter adapts (MoE experts through PEFT's target_parameters)
+    moe = any(t.num_experts for t in model.lora_targets())
+    hf = hf_model_like(model, hf_cfg, DTYPE, DEVICE, "grouped_mm" if moe and DEVICE == "cuda" else None)
     if checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf.enable_input_require_grads()
-    if moe:  # experts through PEFT's target_parameters (the 3-D expert tensors)
-        peft_cfg = PeftConfig(
-            r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-        )
-    else:
-        peft_cfg = PeftConfig(
-            r=rank, lora_alpha=32, lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        )
-    pm = get_peft_model(hf, peft_cfg)
+    pm = peft_model_like(hf, model, rank)
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]
     for p in params:
@@ -214,7 +189,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}")
     model = ember_model(hf_cfg)
-    seqs = make_batch(hf_cfg["vocab_size"], args.seqs, args.seq_len)
+    seqs = make_batch(token_vocab(hf_cfg), args.seqs, args.seq_len)
     tokens = args.seqs * args.seq_len
     flops = train_flops(hf_cfg, [args.seq_len] * args.seqs)
     print(f"shape {args.shape}: {tokens} tokens/step, {flops / 1e12:.1f} TFLOP/step model FLOPs")
@@ -229,7 +204,12 @@ def main() -> None:
                                       targets=("attn", "mlp", "unembed")),
         "hf-peft": lambda: run_hf(model, hf_cfg, seqs, args.rank, args.warmup, args.iters),
     }
+    hf_skip = hf_baseline_unavailable(hf_cfg)
     for name in args.only.split(","):
+        if name == "hf-peft" and hf_skip:
+            print(f"{name:12s} skipped: {hf_skip}", flush=True)
+            results[name] = {"skipped": hf_skip}
+            continue
         try:
             r = plan[name]()
         except Exception as e:  # noqa: BLE001 - report and go on: one failing configuration must not hide the others
@@ -251,6 +231,8 @@ def main() -> None:
         if "step_s" in r:
             print(f"| {name} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
                   f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} |")
+        elif "skipped" in r:
+            print(f"| {name} | skipped: {r['skipped'][:80]} |")
         else:
             print(f"| {name} | error: {r['error'][:80]} |")
 

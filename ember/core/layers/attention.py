@@ -74,6 +74,11 @@ class PackedAttention:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _varlen(self, q, k, v, spec: AttentionSpec, scale: float) -> torch.Tensor:
+        dv = v.shape[-1]
+        if dv != q.shape[-1]:
+            # flash attention wants one head size for q, k and v; MLA's values are narrower (128 vs
+            # 192): pad them with zeros (the padded output columns are zeros) and drop those columns
+            return self._varlen(q, k, F.pad(v, (0, q.shape[-1] - dv)), spec, scale)[..., :dv]
         fn, params = _varlen_fn()
         kwargs = {"scale": scale}
         window = spec.window if spec.kind == "sliding" else None

@@ -34,11 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import hardware_line, sync
+from bench.common import hardware_line, random_ember_model, sync, token_vocab
 from bench.sample import DEVICE, DTYPE, SHAPES, fill_adapters, make_prompts, trainer_logprobs
 from ember.core.adapters import AdapterBank
-from ember.core.config import config_from_hf
-from ember.core.loading import random_model
 from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule
 from ember.core.sampling import attention as sampling_attention
 
@@ -222,8 +220,8 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
-    model = random_model(config_from_hf(SHAPES[args.shape]), DEVICE, DTYPE, seed=0)
-    vocab = SHAPES[args.shape]["vocab_size"]
+    model = random_ember_model(SHAPES[args.shape], DEVICE, DTYPE, seed=0)
+    vocab = token_vocab(SHAPES[args.shape])
     prompts = make_prompts(vocab, args.prompts, args.prompt_len)
     results: dict = {"hardware": hardware_line(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     only = args.only.split(",")

@@ -10,8 +10,11 @@ attention, so the layer only builds a selection when some query of the pass is p
 
 The selection is discrete: no gradient reaches the indexer (it is frozen, spec §3.9).
 
-Decoding keeps each sequence's raw index keys in ``ctx.state`` under ``index_keys``
-(``[N, L, d]``, zero-padded to the longest sequence; it grows by one row per token, like a KV cache).
+Decoding needs each sequence's earlier raw index keys. An ``attend`` with a KV cache may keep them
+(``attend.store_index_keys(layer, keys [T, d])`` and ``attend.index_keys(layer, keys) -> [n_i, d]``
+per sequence, the pass's included: the sampler stores them in its KV pages); otherwise they travel in
+``ctx.state`` under ``index_keys`` (``[N, L, d]``, zero-padded to the longest sequence; it grows by one
+row per token, like a KV cache).
 """
 
 from __future__ import annotations
@@ -82,8 +85,32 @@ class QSAIndexer(nn.Module):
         T, d = x.shape[0], self.head_dim
         qk = self.index_qk_proj(x)
         raw = qk[:, self.n_heads * d :]
-        history = ctx.state.get(self.layer, "index_keys") if ctx.state is not None else None
         seq_lens = ctx.seq_lens or [T]
+        cache = ctx.attend if hasattr(ctx.attend, "store_index_keys") else None
+        if cache is not None:  # a KV cache keeps the keys (the sampler's paged cache)
+            cache.store_index_keys(self.layer, raw)
+            if dense:
+                return None
+            keys = cache.index_keys(self.layer, raw)
+        else:
+            keys = self._keys_from_state(raw, ctx, seq_lens)
+            if dense:
+                return None
+        cos, sin = ctx.rope(rotary, x.dtype)
+        q = apply_rope(self.q_layernorm(qk[:, : self.n_heads * d].view(T, self.n_heads, d)), cos, sin).float()
+        blocks = torch.full((T, self.block_topk), -1, dtype=torch.long, device=x.device)
+        start = 0
+        for seq_keys, n in zip(keys, seq_lens):
+            rows = slice(start, start + n)
+            self._select(q[rows], seq_keys, positions[rows], rotary, blocks[rows])
+            start += n
+        return BlockSelection(blocks, self.block_size, positions)
+
+    def _keys_from_state(self, raw: torch.Tensor, ctx: ForwardContext, seq_lens: list[int]) -> list[torch.Tensor]:
+        """Every sequence's raw index keys so far, its earlier ones read from ``ctx.state``
+        (``index_keys``), which is then updated."""
+        positions = ctx.positions
+        history = ctx.state.get(self.layer, "index_keys") if ctx.state is not None else None
         keys, start = [], 0
         for i, n in enumerate(seq_lens):
             prior = int(positions[start])
@@ -96,17 +123,7 @@ class QSAIndexer(nn.Module):
             longest = max(k.shape[0] for k in keys)
             padded = [F.pad(k, (0, 0, 0, longest - k.shape[0])) for k in keys]
             ctx.state.put(self.layer, "index_keys", torch.stack(padded))
-        if dense:
-            return None
-        cos, sin = ctx.rope(rotary, x.dtype)
-        q = apply_rope(self.q_layernorm(qk[:, : self.n_heads * d].view(T, self.n_heads, d)), cos, sin).float()
-        blocks = torch.full((T, self.block_topk), -1, dtype=torch.long, device=x.device)
-        start = 0
-        for seq_keys, n in zip(keys, seq_lens):
-            rows = slice(start, start + n)
-            self._select(q[rows], seq_keys, positions[rows], rotary, blocks[rows])
-            start += n
-        return BlockSelection(blocks, self.block_size, positions)
+        return keys
 
     def _select(
         self, q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, out: torch.Tensor

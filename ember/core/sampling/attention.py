@@ -13,6 +13,11 @@
 
 Sliding-window layers (``AttentionSpec("sliding", window)``) see the last ``window`` positions,
 the current token included.
+
+Families whose attention needs more than ``(q, k, v, spec, scale)`` decode eagerly through gathers
+of the pages (:func:`gather_pages`): a QSA block selection (``accepts_selection``; Qwen3.8-Flash-Next),
+the QSA indexer's raw keys kept in the pages (``store_index_keys`` / ``index_keys``), and
+Inkling-2's ``relative(...)`` (relative bias by distance and sinks, sliding or global).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import torch
 from ember.core.config import AttentionSpec
 from ember.core.kernels import fused
 from ember.core.layers.attention import PackedAttention
-from ember.core.sampling.kv_cache import PagedKVCache
+from ember.core.layers.qsa import BlockSelection, selected_attention
+from ember.core.layers.relative_attention import PackedRelativeAttention, RelativeAttentionSpec
+from ember.core.sampling.kv_cache import SCRATCH_PAGE, PagedKVCache
 
 if fused.HAVE_TRITON:
     import triton
@@ -366,16 +373,129 @@ def _window(spec: AttentionSpec) -> int:
 
 class PrefillAttention:
     """``ForwardContext.attend`` of a prefill pass: store the pass's keys/values at ``slot_mapping``
-    and attend within each prompt exactly as training does."""
+    and attend within each prompt exactly as training does.
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, doc_lengths: list[int]):
+    Besides ``attend(layer, q, k, v, spec, scale)`` it serves the attention variants that need more
+    than that (every prompt starts at position 0, so each is the trainer's own packed call):
+
+    * a QSA block ``selection`` (``accepts_selection``): :func:`~ember.core.layers.qsa.selected_attention`;
+    * ``relative(layer, q, k, v, profiles, sinks, spec, scale)`` (Inkling-2's relative bias and sinks):
+      :class:`~ember.core.layers.relative_attention.PackedRelativeAttention` with ``relative_backend``;
+    * ``store_index_keys`` / ``index_keys``: the QSA indexer's raw keys kept in the cache's pages.
+    """
+
+    accepts_selection = True
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+        doc_lengths: list[int],
+        positions: torch.Tensor | None = None,
+        relative_backend: str | None = None,
+    ):
         self.cache = cache
         self.slot_mapping = slot_mapping
-        self.packed = PackedAttention(doc_lengths, cache.device)
+        self.doc_lengths = list(doc_lengths)
+        self.packed = PackedAttention(self.doc_lengths, cache.device)
+        if positions is None:
+            positions = torch.cat([torch.arange(n, device=cache.device) for n in self.doc_lengths])
+        self.positions = positions
+        self.relative_backend = relative_backend
+        self._relative: PackedRelativeAttention | None = None
 
-    def __call__(self, layer: int, q, k, v, spec: AttentionSpec, scale: float) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q, k, v, spec: AttentionSpec, scale: float, selection: BlockSelection | None = None
+    ) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
+        if selection is not None:
+            if _window(spec):
+                raise NotImplementedError("a QSA block selection on a sliding-window layer")
+            return selected_attention(q, k, v, self.doc_lengths, selection, scale)
         return self.packed(q, k, v, spec, scale)
+
+    def relative(self, layer: int, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:
+        self.cache.write(layer, k, v, self.slot_mapping)
+        if self._relative is None:  # one per pass: it keeps the pass's block masks
+            self._relative = PackedRelativeAttention(self.doc_lengths, self.positions, backend=self.relative_backend)
+        return self._relative(q, k, v, profiles, sinks, spec, scale)
+
+    def store_index_keys(self, layer: int, keys: torch.Tensor) -> None:
+        """Keep the pass's raw QSA index keys ``[T, d]`` in the cache (read by later decode steps)."""
+        self.cache.write_rows(layer, INDEX_KEYS, keys, self.slot_mapping)
+
+    def index_keys(self, layer: int, keys: torch.Tensor) -> list[torch.Tensor]:
+        """Every sequence's raw index keys so far (``[n_i, d]``, packed order): the pass's own."""
+        return list(keys.split(self.doc_lengths))
+
+
+INDEX_KEYS = "index_keys"
+
+
+def gather_pages(
+    pages: torch.Tensor, block_table: torch.Tensor, first: torch.Tensor | None = None, count: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens in pages ``first[b] .. first[b] + count - 1`` of each row's block table (all its
+    pages by default): ``[B, count * page, ...]`` and their positions ``[B, count * page]``. Columns
+    past the table read the scratch page; their positions lie beyond any cached token."""
+    B, W = block_table.shape
+    ps = pages.shape[1]
+    device = pages.device
+    count = W if count is None else count
+    cols = torch.arange(count, device=device)[None].expand(B, -1)
+    if first is not None:
+        cols = cols + first.to(device).long()[:, None]
+    table = block_table.to(device).long().gather(1, cols.clamp(max=W - 1))
+    table = torch.where(cols < W, table, SCRATCH_PAGE)
+    x = pages[table].reshape(B, count * ps, *pages.shape[2:])
+    pos = (cols[:, :, None] * ps + torch.arange(ps, device=device)).reshape(B, count * ps)
+    return x, pos
+
+
+def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row over gathered keys: q ``[B, Hq, D]``, k/v ``[B, L, Hkv, D]``, ``valid``
+    ``[B, L]`` -> ``[B, Hq, Dv]`` (a masked softmax in fp32, as :func:`paged_decode_torch`)."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.float().view(B, Hkv, Hq // Hkv, D)
+    scores = torch.einsum("bhrd,blhd->bhrl", qg, k.float()) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhrl,blhd->bhrd", probs, v.float())
+    return out.reshape(B, Hq, -1).to(q.dtype)
+
+
+def relative_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    profiles: torch.Tensor,
+    sinks: torch.Tensor,
+    q_pos: torch.Tensor,
+    spec: RelativeAttentionSpec,
+    scale: float,
+) -> torch.Tensor:
+    """Relative-bias attention with sinks of one query per row over gathered keys (the batched form
+    of :func:`~ember.core.layers.relative_attention.relative_attention_dense`, same numerics): q
+    ``[B, Hq, D]`` at ``q_pos`` ``[B]``; k/v ``[B, L, Hkv, D]`` at ``k_pos`` ``[B, L]``; profiles
+    ``[B, Hq, R]``; sinks ``[B, Hq]`` -> ``[B, Hq, Dv]``."""
+    B, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    R = spec.rel_extent
+    scores = torch.einsum("bhrd,blhd->bhrl", q.view(B, Hkv, rep, D), k.to(q.dtype)).reshape(B, Hq, L) * scale
+    dist = q_pos.long()[:, None] - k_pos  # [B, L]
+    bias = profiles.gather(-1, dist.clamp(0, R - 1)[:, None, :].expand(B, Hq, L))
+    scores = scores + bias.masked_fill(((dist < 0) | (dist >= R))[:, None], 0.0)
+    masked = dist < 0
+    if spec.window is not None:
+        masked = masked | (dist >= spec.window)
+    scores = scores.masked_fill(masked[:, None], float("-inf"))
+    logits = torch.cat([scores, sinks[:, :, None].to(scores.dtype)], dim=-1).float()
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
+    out = torch.einsum("bhrl,blhd->bhrd", probs.view(B, Hkv, rep, L), v.to(q.dtype))
+    return out.reshape(B, Hq, -1)
 
 
 class DecodeAttention:
@@ -383,8 +503,16 @@ class DecodeAttention:
     values, then attend over each sequence's cached tokens (``seq_lens`` includes the new one).
 
     All inputs are tensors, so the same object serves a captured CUDA graph whose buffers are
-    refilled between replays.
+    refilled between replays (plain attention only). The variants below gather the sequences' pages
+    and compute in PyTorch (families that need them decode eagerly):
+
+    * a QSA block ``selection`` (``accepts_selection``): the selected blocks plus the query's tail;
+    * ``relative(...)`` (Inkling-2): relative bias by distance and the sink, over the last
+      ``window`` positions on sliding layers (only the pages that hold them are gathered);
+    * ``store_index_keys`` / ``index_keys``: the QSA indexer's raw keys, kept in the cache's pages.
     """
+
+    accepts_selection = True
 
     def __init__(
         self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
@@ -394,8 +522,39 @@ class DecodeAttention:
         self.block_table = block_table
         self.seq_lens = seq_lens
 
-    def __call__(self, layer: int, q, k, v, spec: AttentionSpec, scale: float) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q, k, v, spec: AttentionSpec, scale: float, selection: BlockSelection | None = None
+    ) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
-        return paged_decode_attention(
-            q, self.cache.k[layer], self.cache.v[layer], self.block_table, self.seq_lens, scale, _window(spec)
-        )
+        if selection is None:
+            return paged_decode_attention(
+                q, self.cache.k[layer], self.cache.v[layer], self.block_table, self.seq_lens, scale, _window(spec)
+            )
+        if _window(spec):
+            raise NotImplementedError("a QSA block selection on a sliding-window layer")
+        keys, _ = gather_pages(self.cache.k[layer], self.block_table)
+        values, _ = gather_pages(self.cache.v[layer], self.block_table)
+        valid = selection.token_mask(slice(None), keys.shape[1])  # causal, selected blocks + tail
+        return masked_decode(q, keys, values, valid, scale)
+
+    def relative(self, layer: int, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:
+        self.cache.write(layer, k, v, self.slot_mapping)
+        q_pos = self.seq_lens.long() - 1
+        first = count = None
+        if spec.window is not None:
+            ps = self.cache.page_size
+            first = (q_pos - spec.window + 1).clamp(min=0) // ps
+            # positions q_pos - window + 1 .. q_pos span at most this many pages
+            count = min(self.block_table.shape[1], (spec.window + ps - 2) // ps + 1)
+        keys, k_pos = gather_pages(self.cache.k[layer], self.block_table, first, count)
+        values, _ = gather_pages(self.cache.v[layer], self.block_table, first, count)
+        return relative_decode(q, keys, values, k_pos, profiles, sinks, q_pos, spec, scale)
+
+    def store_index_keys(self, layer: int, keys: torch.Tensor) -> None:
+        """Keep the new tokens' raw QSA index keys ``[B, d]`` in the cache."""
+        self.cache.write_rows(layer, INDEX_KEYS, keys, self.slot_mapping)
+
+    def index_keys(self, layer: int, keys: torch.Tensor) -> list[torch.Tensor]:
+        """Every sequence's raw index keys so far (``[n_i, d]``, the new token's included)."""
+        rows, _ = gather_pages(self.cache.rows[(layer, INDEX_KEYS)], self.block_table)
+        return [rows[b, :n] for b, n in enumerate(self.seq_lens.tolist())]

@@ -258,7 +258,13 @@ class SamplingEngine:
         record = any(r.request.record_routing for r in reqs)
         ctx = ForwardContext(
             positions=batch.positions,
-            attend=PrefillAttention(self.cache, torch.tensor(slot_mapping, device=self.device), batch.doc_lengths),
+            attend=PrefillAttention(
+                self.cache,
+                torch.tensor(slot_mapping, device=self.device),
+                batch.doc_lengths,
+                batch.positions,
+                relative_backend=getattr(self.model, "attention_backend", None),
+            ),
             lora=self.bank.route(batch.groups),
             seq_lens=batch.doc_lengths,
             state=self.states.view([reqs[i].sequences[0].id for i in order]),

@@ -8,6 +8,10 @@ padded with it.
 
 Pages are reference-counted. The samples of one prompt share the prompt's full pages (a *fork*);
 only a sequence's last, partly filled page is ever written, and a fork copies that one page.
+
+Besides keys and values, a layer may keep other per-token rows in the same pages (``rows``, under a
+name: the QSA indexer's raw index keys), so they follow the sequence's block table, are shared and
+copied by forks and freed with its pages.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        # other per-token rows, ``[num_pages, page_size, ...]`` under (layer, name)
+        self.rows: dict[tuple[int, str], torch.Tensor] = {}
         # pop() hands out the lowest free page first
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._refs = [0] * num_pages
@@ -91,6 +97,8 @@ class PagedKVCache:
             for layer in self.k:
                 self.k[layer][dst].copy_(self.k[layer][src])
                 self.v[layer][dst].copy_(self.v[layer][src])
+            for rows in self.rows.values():
+                rows[dst].copy_(rows[src])
             out.append(dst)
         return out
 
@@ -111,9 +119,20 @@ class PagedKVCache:
         kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(vc.dtype))
 
+    def write_rows(self, layer: int, name: str, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store per-token rows ``x`` (``[T, ...]``) of ``(layer, name)`` at the flat slots ``slot_mapping``
+        (pages allocated at the first write, like keys and values)."""
+        key = (layer, name)
+        if key not in self.rows:
+            shape = (self.num_pages, self.page_size) + tuple(x.shape[1:])
+            self.rows[key] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        r = self.rows[key]
+        r.view(-1, *r.shape[2:]).index_copy_(0, slot_mapping, x.to(r.dtype))
+
     def nbytes_per_token(self) -> int:
-        """KV bytes one cached token takes over the layers written so far."""
-        return sum((self.k[i][0, 0].numel() + self.v[i][0, 0].numel()) * self.k[i].element_size() for i in self.k)
+        """Bytes one cached token takes over the layers written so far (keys, values and other rows)."""
+        kv = sum((self.k[i][0, 0].numel() + self.v[i][0, 0].numel()) * self.k[i].element_size() for i in self.k)
+        return kv + sum(r[0, 0].numel() * r.element_size() for r in self.rows.values())
 
 
 class RecurrentStateStore:

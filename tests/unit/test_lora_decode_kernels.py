@@ -14,24 +14,8 @@ SCRIPT = textwrap.dedent(
     """
     import types
     import torch
-    # Triton 3.6's interpreter converts loop bounds with int() of a 1-element array, which
-    # NumPy 2 refuses; take the element instead (interpreter only: compiled kernels are unaffected)
-    import triton.runtime.interpreter as interp
-    _patch = interp._patch_lang_tensor
-    def _patched(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interp._patch_lang_tensor = _patched
-    # the interpreter's tl.dot multiplies bf16 operands as their raw uint16 bits; widen them to fp32
-    # first (exact; interpreter only: on the GPU the product runs on the tensor cores)
-    import numpy as np
-    import triton.language as tl
-    _dot = interp.InterpreterBuilder.create_dot
-    def _widen(t):
-        if t.dtype == tl.bfloat16:
-            return interp.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return t
-    interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: _dot(self, _widen(a), _widen(b), d, *args)
+    from tests.triton_interp import patch_interpreter
+    patch_interpreter()
 
     from ember.core.kernels import fused, lora_decode as ld
     from ember.core.sampling.graphs import StaticRoute

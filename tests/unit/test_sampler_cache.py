@@ -71,14 +71,8 @@ def test_paged_decode_triton_kernel_matches_reference():
     script = textwrap.dedent(
         """
         import torch
-        # Triton 3.6's interpreter converts loop bounds with int() of a 1-element array, which
-        # NumPy 2 refuses; take the element instead (interpreter only: compiled kernels are unaffected)
-        import triton.runtime.interpreter as interp
-        _patch = interp._patch_lang_tensor
-        def _patched(tensor, scope):
-            _patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        interp._patch_lang_tensor = _patched
+        from tests.triton_interp import patch_interpreter
+        patch_interpreter()
 
         from ember.core.kernels import fused
         from ember.core.sampling.attention import paged_decode_attention, paged_decode_torch, paged_decode_triton

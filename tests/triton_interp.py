@@ -1,0 +1,30 @@
+"""Fixes for Triton 3.6's CPU interpreter (``TRITON_INTERPRET=1``), which the kernel tests run
+under; they change the interpreter only, never compiled kernels. Call :func:`patch_interpreter`
+before launching a kernel."""
+
+from __future__ import annotations
+
+
+def patch_interpreter() -> None:
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    # loop bounds are converted with int() of a 1-element array, which NumPy 2 refuses: take the element
+    patch = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+    # tl.dot multiplies bf16 operands as their raw uint16 bits: widen them to fp32 first (exact)
+    dot = interp.InterpreterBuilder.create_dot
+
+    def widen(t):
+        if t.dtype == tl.bfloat16:
+            return interp.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return t
+
+    interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: dot(self, widen(a), widen(b), d, *args)

@@ -42,8 +42,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 class CheckpointReader:
-    """The tensors of a model folder by key, across shards. Quantized weights (MXFP8, NVFP4: a
-    ``X.weight`` with ``X.weight_scale`` companions, see :mod:`ember.core.quant`) read as their
+    """The tensors of a model folder by key, across shards. Quantized weights (MXFP8, NVFP4, FP8
+    tiles: a ``X.weight`` with ``X.weight_scale`` / ``X.weight_scale_inv`` companions, see
+    :mod:`ember.core.quant`) read as their
     dequantized fp32 values, and their scale tensors are not listed as keys."""
 
     def __init__(self, model_dir: str | Path):
@@ -74,7 +75,7 @@ class CheckpointReader:
         """The tensor stored under ``key`` (dequantized to fp32 if it is stored quantized)."""
         t = self._raw(key)
         companions = self._companions(key)
-        return quant.dequantize(t, companions) if "_scale" in companions else t
+        return quant.dequantize(t, companions) if companions else t
 
 
 def _fill(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

@@ -1,4 +1,5 @@
-"""Low-precision checkpoint formats: MXFP8 and NVFP4 (``shared/spec/models_and_rl.md`` §6).
+"""Low-precision checkpoint formats: MXFP8 and NVFP4 (``shared/spec/models_and_rl.md`` §6), and the
+block-scaled FP8 of the DeepSeek-V3 release.
 
 Checkpoints may ship weights (typically routed experts) quantized; Ember dequantizes them to the
 model dtype at load (``ember.core.loading``). Layouts, per weight ``X`` (any leading dims, e.g.
@@ -10,6 +11,11 @@ stacked experts ``[E, N, K]``):
 * NVFP4 (ModelOpt): ``X.weight`` uint8 ``[..., N, K/2]`` (two E2M1 codes per byte, the even column in
   the low nibble), ``X.weight_scale`` float8_e4m3fn ``[..., N, K/16]`` and the global
   ``X.weight_scale_2`` float32: ``w = e2m1 · weight_scale · weight_scale_2``.
+* FP8 with 2-D block scales (DeepSeek-V3, ``quantization_config = {"quant_method": "fp8",
+  "weight_block_size": [128, 128]}``): ``X.weight`` float8_e4m3fn ``[..., N, K]`` and
+  ``X.weight_scale_inv`` float32 ``[..., ceil(N/b), ceil(K/b)]``, one scale per ``b × b`` tile (the
+  last tiles may be partial): ``w = q · scale_inv``. The block size is read off the shapes (the one
+  power of two that gives the stored tile counts).
 
 The quantizers implement the spec's reference recipes (MXFP8: OCP floor rule with saturation to
 ±448; NVFP4: ModelOpt's two-level scales with round-to-nearest-even), so tests can build tiny
@@ -28,7 +34,8 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # companions of a stored weight ``K``: ``K + "_scale"`` (block scales), ``K + "_scale_2"`` (NVFP4's
 # global scale); for ``X.weight`` these are ``X.weight_scale`` / ``X.weight_scale_2``
-SCALE_SUFFIXES = ("_scale", "_scale_2")
+# ``K + "_scale_inv"``: FP8 tile scales (DeepSeek-V3)
+SCALE_SUFFIXES = ("_scale", "_scale_2", "_scale_inv")
 
 
 def _e2m1_table(device: torch.device) -> torch.Tensor:
@@ -67,6 +74,47 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
     codes = torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], K)
     values = _e2m1_table(packed.device)[codes.long()]
     return values * s32.repeat_interleave(NVFP4_BLOCK, dim=-1) * global_scale.to(torch.float32)
+
+
+def _tile(n: int, tiles: int) -> int:
+    """The power-of-two tile size ``b`` with ``ceil(n / b) == tiles`` (unique; any ``b >= n`` when
+    ``tiles == 1``, where every choice gives the same values)."""
+    if tiles == 1:
+        return 1 << max(0, (n - 1).bit_length())
+    b = 1
+    while -(-n // b) > tiles:
+        b *= 2
+    if -(-n // b) != tiles:
+        raise ValueError(f"FP8 block scales: {tiles} tiles do not fit {n} rows/columns with a power-of-two block")
+    return b
+
+
+def dequant_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """fp32 values of block-scaled FP8 data ``q`` ``[..., N, K]`` (float8_e4m3fn or its uint8 bits)
+    with one fp32 ``scale_inv`` per tile ``[..., ceil(N/b), ceil(K/b)]``."""
+    if q.dtype == torch.uint8:
+        q = q.view(torch.float8_e4m3fn)
+    if q.dim() < 2 or scale_inv.dim() != q.dim() or q.shape[:-2] != scale_inv.shape[:-2]:
+        raise ValueError(f"FP8 block scales: data {tuple(q.shape)} does not match scales {tuple(scale_inv.shape)}")
+    N, K = q.shape[-2:]
+    bn, bk = _tile(N, scale_inv.shape[-2]), _tile(K, scale_inv.shape[-1])
+    s = scale_inv.to(torch.float32).repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
+    return q.to(torch.float32) * s[..., :N, :K]
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn, scale_inv float32)`` of ``w`` ``[..., N, K]`` in ``block × block`` tiles,
+    DeepSeek's recipe: ``scale_inv = amax(tile) / 448``, ``q = e4m3(w / scale_inv)``."""
+    w = w.float()
+    N, K = w.shape[-2:]
+    tn, tk = -(-N // block), -(-K // block)
+    padded = torch.nn.functional.pad(w, (0, tk * block - K, 0, tn * block - N))
+    tiles = padded.reshape(*w.shape[:-2], tn, block, tk, block)
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    full = scale_inv.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :N, :K]
+    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv
 
 
 def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +158,10 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def dequantize(weight: torch.Tensor, companions: dict[str, torch.Tensor]) -> torch.Tensor:
     """Dequantize a stored weight given its ``{suffix: tensor}`` companions (``_scale``,
-    ``_scale_2``): NVFP4 when a global scale is present, else MXFP8."""
+    ``_scale_2``, ``_scale_inv``): FP8 tiles with ``_scale_inv``, NVFP4 when a global scale is
+    present, else MXFP8."""
+    if "_scale_inv" in companions:
+        return dequant_fp8_block(weight, companions["_scale_inv"])
     scale = companions.get("_scale")
     if scale is None:
         raise ValueError("quantized weight without a _scale companion")

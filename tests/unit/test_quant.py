@@ -1,6 +1,8 @@
 """MXFP8 / NVFP4 checkpoints: dequantization against independent decoders, byte round trips, and
 tiny quantized checkpoints that load within the formats' error."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -52,10 +54,16 @@ def test_nvfp4_dequant_matches_nibble_decoder():
             assert float(got[r, c]) == ref
 
 
-@pytest.mark.parametrize("fmt,tol", [("mxfp8", 0.04), ("nvfp4", 0.12)])
+@pytest.mark.parametrize("fmt,tol", [("mxfp8", 0.04), ("nvfp4", 0.12), ("fp8_block", 0.04)])
 def test_quantize_error_and_byte_round_trip(fmt, tol):
     w = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(2))
-    if fmt == "mxfp8":
+    if fmt == "fp8_block":
+        w = torch.randn(2, 40, 72, generator=torch.Generator().manual_seed(2))  # partial 16 x 16 tiles
+        q = quant.quantize_fp8_block(w, block=16)
+        assert q[1].shape == (2, 3, 5)
+        back = quant.dequant_fp8_block(*q)
+        again = quant.quantize_fp8_block(back, block=16)
+    elif fmt == "mxfp8":
         q = quant.quantize_mxfp8(w)
         back = quant.dequant_mxfp8(*q)
         again = quant.quantize_mxfp8(back)
@@ -70,7 +78,23 @@ def test_quantize_error_and_byte_round_trip(fmt, tol):
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_fp8_block_dequant_by_hand():
+    """Each tile of the stored FP8 values is scaled by its own scale_inv; partial edge tiles too."""
+    q = (torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7) % 9 - 4).to(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([[0.5, 2.0], [3.0, 0.25]])  # 4 x 4 tiles over 5 x 7
+    got = quant.dequant_fp8_block(q, scale_inv)
+    want = q.float().clone()
+    want[:4, :4] *= 0.5
+    want[:4, 4:] *= 2.0
+    want[4:, :4] *= 3.0
+    want[4:, 4:] *= 0.25
+    assert torch.equal(got, want)
+    assert torch.equal(quant.dequant_fp8_block(q.view(torch.uint8), scale_inv), want)
+    with pytest.raises(ValueError, match="tiles"):
+        quant.dequant_fp8_block(q, torch.ones(4, 2))  # no power-of-two tile splits 5 rows into 4 tiles
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8_block"])
 def test_quantized_expert_checkpoint_loads(fmt, tmp_path):
     """Routed experts stored quantized load as their dequantized values; the model runs close to the
     unquantized original."""
@@ -79,11 +103,20 @@ def test_quantized_expert_checkpoint_loads(fmt, tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     qdir = tmp_path / fmt
     qdir.mkdir()
-    (qdir / "config.json").write_text((path / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text())
+    if fmt == "fp8_block":  # as the release declares it
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16],
+                                         "activation_scheme": "dynamic"}
+    (qdir / "config.json").write_text(json.dumps(config))
     quantized, dequantized = {}, {}
     for k, v in tensors.items():
         quantized[k] = dequantized[k] = v
-        if ".experts." in k:
+        if fmt == "fp8_block" and k.endswith("_proj.weight") and ".gate." not in k:
+            # DeepSeek-V3's release: every linear (attention and experts) in FP8 tiles
+            q, s = quant.quantize_fp8_block(v, block=16)
+            quantized[k], quantized[k + "_scale_inv"] = q, s
+            dequantized[k] = quant.dequant_fp8_block(q, s)
+        elif ".experts." in k and fmt != "fp8_block":
             stem = k[: -len(".weight")]
             if fmt == "mxfp8":
                 q, s = quant.quantize_mxfp8(v)
@@ -103,8 +136,12 @@ def test_quantized_expert_checkpoint_loads(fmt, tmp_path):
     w_ref = ref.model.layers[0].mlp.experts.gate_up_proj
     w_got = got.model.layers[0].mlp.experts.gate_up_proj
     rel = float((w_got - w_ref).norm() / w_ref.norm())
-    assert 0 < rel < (0.04 if fmt == "mxfp8" else 0.12), rel
-    torch.testing.assert_close(got.model.layers[0].self_attn.q_proj.weight, ref.model.layers[0].self_attn.q_proj.weight)
+    assert 0 < rel < (0.12 if fmt == "nvfp4" else 0.04), rel
+    q_ref, q_got = ref.model.layers[0].self_attn.q_proj.weight, got.model.layers[0].self_attn.q_proj.weight
+    if fmt == "fp8_block":
+        assert 0 < float((q_got - q_ref).norm() / q_ref.norm()) < 0.04
+    else:
+        torch.testing.assert_close(q_got, q_ref)
     s = random_sequences(320, [30], seed=1)[0]
     req = ForwardBackwardInput(0, [Datum(np.array(s[:-1]), {"target_tokens": np.array(s[1:])})], forward_only=True)
     (a,) = Worker(ref).forward_backward([req])
@@ -112,4 +149,4 @@ def test_quantized_expert_checkpoint_loads(fmt, tmp_path):
     (c,) = Worker(load_model(ddir, "cpu", torch.float32)).forward_backward([req])
     np.testing.assert_array_equal(b.logprobs[0], c.logprobs[0])  # loading = dequantizing, exactly
     # the tiny, sharply routed model amplifies weight error; this only checks it stays the same model
-    assert 0 < np.abs(a.logprobs[0] - b.logprobs[0]).mean() < (0.3 if fmt == "mxfp8" else 1.0)
+    assert 0 < np.abs(a.logprobs[0] - b.logprobs[0]).mean() < (1.0 if fmt == "nvfp4" else 0.3)

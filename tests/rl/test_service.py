@@ -157,7 +157,10 @@ def test_rl_resumes_exactly(rl_env, sft_state, tmp_path):
     assert sorted(b) == [0, 1, 2]
     for key in ("train/reward", "train/response_len", "train/entropy"):
         assert b[2][key] == pytest.approx(a[2][key], rel=1e-6), key
-    assert b[2]["train/loss"] == pytest.approx(a[2]["train/loss"], rel=1e-4, abs=1e-7)
+    # the loss is a sum of ~256 terms A·ρ with |A| ~ 1 and group-centred advantages, so it nearly
+    # cancels (~1e-3 here): fp32 rounding of the terms (the server may pack the passes differently
+    # under load) moves it by ~1e-7 absolute; the identical sampled tokens above are the exact check
+    assert b[2]["train/loss"] == pytest.approx(a[2]["train/loss"], rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("variant", [

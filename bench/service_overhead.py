@@ -6,7 +6,10 @@
 2. Futures per second with 32 concurrent clients (32 adapters, each submitting optim_step and
    waiting for it, in a loop).
 
-Usage: python bench/service_overhead.py [--steps 40] [--clients 32] [--rounds 10]
+Both sides use the same number of torch threads (``--threads``; default: what `ember serve` gives
+an engine on the CPU, all cores but one).
+
+Usage: python bench/service_overhead.py [--steps 40] [--clients 32] [--rounds 10] [--threads N]
 Runs on the CPU; prints a markdown table.
 """
 
@@ -40,7 +43,7 @@ def _batch(rng, n_datums=4, length=32):
     return seqs
 
 
-def in_process(model_dir: Path, steps: int, seqs) -> list[float]:
+def in_process(model_dir: Path, steps: int, seqs, threads: int) -> list[float]:
     import torch
 
     from ember.core.adapters import LoraConfig
@@ -48,6 +51,7 @@ def in_process(model_dir: Path, steps: int, seqs) -> list[float]:
     from ember.engine.worker import Worker
     from ember.types import Datum, ForwardBackwardInput
 
+    torch.set_num_threads(threads)  # the engine's count (ember.engine.service.cpu_threads)
     worker = Worker.from_pretrained(model_dir, "cpu", torch.float32, max_adapters=4, max_rank=16)
     slot = worker.create_adapter(LoraConfig(rank=8, alpha=32, seed=0))
     datums = [Datum(s[:-1], {"target_tokens": s[1:], "weights": np.ones(len(s) - 1, np.float32)}) for s in seqs]
@@ -112,7 +116,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of the engine and of the in-process baseline (default: ember serve's, "
+                         "all cores but one)")
     args = ap.parse_args()
+    from ember.engine.service import cpu_threads
+
+    threads = cpu_threads(args.threads)
+    load0 = os.getloadavg()
     home = Path(tempfile.mkdtemp(prefix="ember-bench-"))
     subprocess.run([sys.executable, "-m", "ember.engine.builtin", str(home)], check=True, stdout=subprocess.DEVNULL)
     model_dir = home / "models" / "ember-tiny-qwen3"
@@ -122,7 +133,8 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     log = open(home / "server.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
     server = subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", "--home", str(home), "--no-auth",
-                               "--port", str(port), "--max-adapters", str(args.clients + 4), "--log-level", "WARNING"],
+                               "--port", str(port), "--max-adapters", str(args.clients + 4), "--log-level", "WARNING",
+                               "--cpu-threads", str(threads)],
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         while True:
@@ -134,13 +146,16 @@ def main() -> None:
                 pass
             time.sleep(0.5)
         os.environ.update(TINKER_BASE_URL=base, TINKER_API_KEY="tml-bench", TINKER_TELEMETRY="0")
-        local = in_process(model_dir, args.steps, seqs)
+        local = in_process(model_dir, args.steps, seqs, threads)
         remote = through_sdk("ember-tiny-qwen3", args.steps, seqs)
         fps = futures_per_second("ember-tiny-qwen3", args.clients, args.rounds)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
     med_local, med_remote = statistics.median(local[3:]), statistics.median(remote[3:])
+    load1 = os.getloadavg()
+    print(f"torch threads {threads}; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end "
+          f"({os.cpu_count()} cores)")
     print("| measurement | value |")
     print("|---|---|")
     print(f"| forward_backward + optim_step, in-process Worker (median of {args.steps - 3}) | {med_local * 1e3:.1f} ms |")

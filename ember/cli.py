@@ -74,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = None if args.api_only else EngineOptions(
         database_url=database_url, storage=storage, device=args.device, dtype=args.dtype,
         max_adapters=args.max_adapters, max_rank=args.max_rank, token_budget=args.token_budget,
-        gap_timeout_s=args.gap_timeout, log_level=args.log_level,
+        gap_timeout_s=args.gap_timeout, log_level=args.log_level, cpu_threads=args.cpu_threads,
     )
     run(config, args.host, args.port, engine, args.log_level)
     return 0
@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--no-auth", action="store_true", help="accept any tml- key (local use; one shared owner)")
     serve.add_argument("--device", default="cpu", help="torch device of the engines (default cpu)")
     serve.add_argument("--dtype", default=None, help="float32 | bfloat16 (default bfloat16 on CUDA, else float32)")
+    serve.add_argument("--cpu-threads", type=int, default=None,
+                       help="torch threads of each engine on --device cpu (default: all cores but one, which is "
+                            "left to the API process and clients)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

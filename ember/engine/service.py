@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -26,7 +27,7 @@ import torch
 
 from ember.core.adapters import AdapterBankFull, LoraConfig
 from ember.core.optim import AdamParams
-from ember.doorbell import Doorbell
+from ember.doorbell import Doorbell, ring_ids
 from ember.engine import scheduler
 from ember.engine.worker import Worker
 from ember.jsonlog import setup_logging
@@ -90,6 +91,7 @@ class EngineService:
         self.doorbell = doorbell
         self._detokenize = None
         self._last_beat = 0.0
+        self._listeners: tuple[float, list[int]] = (-1e9, [])  # (read at, ports) of result listeners
 
     # -- main loop --------------------------------------------------------------------------------
 
@@ -115,11 +117,9 @@ class EngineService:
 
     def step(self) -> bool:
         """Plan and run one batch of work; returns whether there was any."""
-        pending = self.store.pending(self.base_model)
+        pending, cursors = self.store.pending_with_cursors(self.base_model)
         if not pending:
             return False
-        model_ids = [f.model_id for f in pending if f.model_id is not None]
-        cursors = self.store.cursors(model_ids)
         work = scheduler.plan(
             pending, cursors, utcnow(), self.token_budget, self.sample_budget, self.gap_timeout_s
         )
@@ -128,7 +128,7 @@ class EngineService:
         if work.dead or work.skip:
             for mid, seq in work.skip.items():
                 log.warning("seq_id gap skipped", extra={"model_id": mid, "next_seq": seq})
-            self.store.finish(
+            self._finish(
                 [(f.id, None, why, "user") for f, why in work.dead],
                 advance={**{f.model_id: f.seq_id + 1 for f, _ in work.dead if f.seq_id is not None}, **work.skip},
             )
@@ -144,6 +144,25 @@ class EngineService:
         if work.samples:
             self._run_samples(work.samples, payloads)
         return True
+
+    def _finish(self, outcomes: list[Outcome], **kwargs) -> None:
+        """``Store.finish``, then a datagram to every API process on this host that registered a
+        result doorbell (``result_listeners``), so its long-polls answer at once. The store is
+        the record; a lost datagram only means the API finds the result at its next poll."""
+        self.store.finish(outcomes, **kwargs)
+        if outcomes:
+            ids = [o[0] for o in outcomes]
+            for port in self._listener_ports():
+                ring_ids(port, ids)
+
+    def _listener_ports(self) -> list[int]:
+        now = time.monotonic()
+        if now - self._listeners[0] > 2.0:
+            try:
+                self._listeners = (now, self.store.result_listeners(socket.gethostname()))
+            except Exception:  # noqa: BLE001 - notifications are an optimisation
+                self._listeners = (now, [])
+        return self._listeners[1]
 
     # -- forward_backward ---------------------------------------------------------------------------
 
@@ -182,9 +201,8 @@ class EngineService:
         advance: dict[str, int] = {}
         for f in futures:
             advance[f.model_id] = max(advance.get(f.model_id, 0), f.seq_id + 1)  # type: ignore[index, operator]
-        self.store.finish(outcomes, advance=advance)
         tokens = sum(f.n_tokens for f in futures)
-        self.store.engine_progress(self.base_model, 1, tokens, seconds)
+        self._finish(outcomes, advance=advance, progress=(self.base_model, 1, tokens, seconds))
         self._last_beat = time.monotonic()
         log.info(
             "packed pass",
@@ -294,7 +312,7 @@ class EngineService:
                     outcomes.append((f.id, None, out.message, out.category))
                 else:
                     outcomes.append((f.id, encode(_sample_result(out)), None, None))
-        self.store.finish(outcomes)
+        self._finish(outcomes)
         log.info("sampled", extra={"requests": len(futures), "seconds": round(time.perf_counter() - t0, 4)})
 
     # -- other operations ---------------------------------------------------------------------------
@@ -308,7 +326,7 @@ class EngineService:
         model_status: tuple[str, str | None] | None = None,
         checkpoint: tuple[str, tuple[str, int | None]] | None = None,
     ) -> None:
-        self.store.finish(
+        self._finish(
             [(f.id, encode(result) if error is None else None, error, category)],
             advance={f.model_id: f.seq_id + 1} if f.model_id and f.seq_id is not None else None,
             model_status={f.model_id: model_status} if model_status and f.model_id else None,
@@ -487,6 +505,22 @@ def _age_encrypt_folder(folder: Path, recipients: list[str]) -> None:
 # -- process entry point ------------------------------------------------------------------------------
 
 
+def cpu_threads(requested: int | None = None) -> int:
+    """Torch threads of an engine on the CPU: ``requested``, else all usable cores but one.
+
+    The engine shares the machine with the API process (and often the clients). Torch's CPU kernels
+    split work over their threads and wait for the slowest one, so with as many threads as cores a
+    single busy core (a request being parsed, a store transaction) stalls the whole pass; on a
+    2-core machine that made a step several times slower than the same pass run alone."""
+    if requested:
+        return max(1, requested)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ember.engine.service``."""
     ap = argparse.ArgumentParser(prog="python -m ember.engine.service", description=__doc__.splitlines()[0])
@@ -501,9 +535,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-budget", type=int, default=16384, help="tokens per packed forward/backward pass")
     ap.add_argument("--gap-timeout", type=float, default=300.0, help="seconds before a missing seq_id is skipped")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the server) is gone")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="torch threads on --device cpu (default: all cores but one; see cpu_threads)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
+    if args.device == "cpu":
+        torch.set_num_threads(cpu_threads(args.cpu_threads))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     store = Store.open(args.database_url, pool_size=2, run_migrations=False)
     caps = ["train", "sample"] if hasattr(Worker, "sample") else ["train"]

@@ -153,6 +153,7 @@ async def _reaper(state: EmberState) -> None:
                     await asyncio.to_thread(state.storage.delete, ckpt.uri)
                     log.info("checkpoint expired", extra={"tinker_path": ckpt.tinker_path})
             await asyncio.to_thread(state.store.purge_futures, cfg.future_retention_s)
+            await state.waiter.refresh()
         except Exception:
             log.exception("reaper pass failed")
         await asyncio.sleep(cfg.reaper_interval_s)
@@ -174,9 +175,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        await state.waiter.start()
         task = asyncio.create_task(_reaper(state))
         yield
         task.cancel()
+        await state.waiter.stop()
 
     app = FastAPI(title="Ember (Tinker-compatible API)", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ember = state

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 
 from ember.server.errors import ApiError
 from ember.store.repo import KEY_PREFIX, NO_AUTH_OWNER
@@ -24,22 +25,40 @@ class Authenticator:
 
     def owner(self, key: str | None) -> str:
         """The owner id for ``key``; ``ApiError(401)`` if missing or unknown."""
+        known = self.cached(key)
+        if known is not None:
+            return known
+        hit = (self.store.owner_of_key(key), time.monotonic())
+        self._cache[key] = hit  # type: ignore[index]
+        return self._checked(hit[0])
+
+    def cached(self, key: str | None) -> str | None:
+        """The owner if it is known without the database (no auth, or a fresh cache entry); raises
+        ``ApiError(401)`` for a missing or malformed key; ``None``: call ``owner``."""
         if not key:
             raise ApiError(401, "missing X-API-Key header")
         if not self.enabled:
             if not key.startswith(KEY_PREFIX):
                 raise ApiError(401, f"API keys start with {KEY_PREFIX!r}")
             return NO_AUTH_OWNER
-        now = time.monotonic()
         hit = self._cache.get(key)
-        if hit is None or now - hit[1] > _CACHE_S:
-            hit = (self.store.owner_of_key(key), now)
-            self._cache[key] = hit
-        if hit[0] is None:
+        if hit is None or time.monotonic() - hit[1] > _CACHE_S:
+            return None
+        return self._checked(hit[0])
+
+    @staticmethod
+    def _checked(owner: str | None) -> str:
+        if owner is None:
             raise ApiError(401, "invalid API key (create one with `ember keys create`)")
-        return hit[0]
+        return owner
 
 
-def require_owner(request: Request) -> str:
-    """FastAPI dependency: the authenticated owner of this request."""
-    return request.app.state.ember.auth.owner(request.headers.get("x-api-key"))
+async def require_owner(request: Request) -> str:
+    """FastAPI dependency: the authenticated owner of this request (on the event loop; the
+    database is read, in a worker thread, only when the key is not cached)."""
+    auth: Authenticator = request.app.state.ember.auth
+    key = request.headers.get("x-api-key")
+    owner = auth.cached(key)
+    if owner is None:
+        owner = await run_in_threadpool(auth.owner, key)
+    return owner

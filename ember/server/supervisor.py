@@ -32,6 +32,7 @@ class EngineOptions:
     token_budget: int = 16384
     gap_timeout_s: float = 300.0
     log_level: str = "INFO"
+    cpu_threads: int | None = None  # torch threads of a CPU engine (None: the engine's default)
 
 
 class EngineSupervisor:
@@ -58,6 +59,8 @@ class EngineSupervisor:
         ]
         if o.dtype:
             cmd += ["--dtype", o.dtype]
+        if o.cpu_threads:
+            cmd += ["--cpu-threads", str(o.cpu_threads)]
         return cmd
 
     def start(self) -> None:

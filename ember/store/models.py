@@ -171,3 +171,16 @@ class EngineRecord(Base):
     busy_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     last_pass_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     last_pass_tokens: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class ResultListener(Base):
+    """An API process waiting for results: engines on the same host send a UDP datagram to
+    ``127.0.0.1:port`` after they finish requests, so long-polls answer without waiting for the
+    next database poll (see :mod:`ember.doorbell`). Rows are refreshed by the API's reaper and
+    pruned when stale."""
+
+    __tablename__ = "result_listeners"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    port: Mapped[int] = mapped_column(Integer)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime)

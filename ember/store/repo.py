@@ -28,6 +28,7 @@ from ember.store.models import (
     Checkpoint,
     EngineRecord,
     Future,
+    ResultListener,
     SamplingSession,
     Session,
     Setting,
@@ -474,6 +475,36 @@ class Store:
             )
             return [PendingFuture(*row) for row in s.execute(q)]
 
+    def pending_with_cursors(
+        self, base_model: str, limit: int = 10_000
+    ) -> tuple[list[PendingFuture], dict[str, ModelCursor]]:
+        """``pending`` and the ``cursors`` of their models, in one query (the engine's per-tick read)."""
+        with self.read() as s:
+            q = (
+                select(
+                    Future.id,
+                    Future.op,
+                    Future.model_id,
+                    Future.sampler_id,
+                    Future.seq_id,
+                    Future.n_tokens,
+                    Future.created_at,
+                    TrainingModel.next_seq,
+                    TrainingModel.status,
+                )
+                .outerjoin(TrainingModel, TrainingModel.id == Future.model_id)
+                .where(Future.base_model == base_model, Future.state == "pending")
+                .order_by(Future.created_at, Future.id)
+                .limit(limit)
+            )
+            pending, cursors = [], {}
+            for *row, next_seq, status in s.execute(q):
+                f = PendingFuture(*row)
+                pending.append(f)
+                if f.model_id is not None and next_seq is not None:
+                    cursors[f.model_id] = ModelCursor(next_seq, status)
+            return pending, cursors
+
     def cursors(self, model_ids: Sequence[str]) -> dict[str, ModelCursor]:
         if not model_ids:
             return {}
@@ -485,9 +516,16 @@ class Store:
 
     def claim(self, ids: Sequence[str]) -> dict[str, bytes | None]:
         """Mark requests running and return their payloads."""
+        if not ids:
+            return {}
         with self.write() as s:
-            s.execute(update(Future).where(Future.id.in_(list(ids))).values(state="running", started_at=utcnow()))
-            return dict(s.execute(select(Future.id, Future.payload).where(Future.id.in_(list(ids)))).all())
+            q = (
+                update(Future)
+                .where(Future.id.in_(list(ids)))
+                .values(state="running", started_at=utcnow())
+                .returning(Future.id, Future.payload)
+            )
+            return dict(s.execute(q).all())
 
     def finish(
         self,
@@ -495,12 +533,16 @@ class Store:
         advance: dict[str, int] | None = None,
         model_status: dict[str, tuple[str, str | None]] | None = None,
         checkpoints: dict[str, tuple[str, int | None]] | None = None,
+        progress: tuple[str, int, int, float] | None = None,
     ) -> None:
         """Record results in one transaction: ``outcomes`` = ``(id, result, error, category)``;
         ``advance`` = new ``next_seq`` per model; ``model_status`` = ``(status, detail)`` per model;
-        ``checkpoints`` = ``(state, size_bytes)`` per tinker path (``failed`` ones are removed)."""
+        ``checkpoints`` = ``(state, size_bytes)`` per tinker path (``failed`` ones are removed);
+        ``progress`` = ``(base_model, passes, tokens, seconds)``: the engine's ``engine_progress``."""
         now = utcnow()
         with self.write() as s:
+            if progress is not None:
+                s.execute(self._progress_update(*progress))
             for fid, result, error, category in outcomes:
                 values = {"finished_at": now, "payload": None}
                 if error is None:
@@ -547,6 +589,11 @@ class Store:
 
     def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float) -> None:
         """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens)."""
+        with self.write() as s:
+            s.execute(self._progress_update(base_model, passes, tokens, seconds))
+
+    @staticmethod
+    def _progress_update(base_model: str, passes: int, tokens: int, seconds: float):
         values: dict = {"heartbeat_at": utcnow()}
         if passes:
             values.update(
@@ -556,8 +603,30 @@ class Store:
                 last_pass_seconds=seconds,
                 last_pass_tokens=tokens,
             )
+        return update(EngineRecord).where(EngineRecord.base_model == base_model).values(**values)
+
+    # -- result listeners (API processes notified when requests finish) --------------------------
+
+    def listen_results(self, listener_id: str, host: str, port: int, stale_after_s: float = 120.0) -> None:
+        """Register (or refresh) an API process's result doorbell; prunes listeners not refreshed
+        for ``stale_after_s``."""
+        now = utcnow()
         with self.write() as s:
-            s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(**values))
+            row = s.get(ResultListener, listener_id)
+            if row is None:
+                s.add(ResultListener(id=listener_id, host=host, port=port, heartbeat_at=now))
+            else:
+                row.host, row.port, row.heartbeat_at = host, port, now
+            s.execute(delete(ResultListener).where(ResultListener.heartbeat_at < now - timedelta(seconds=stale_after_s)))
+
+    def unlisten_results(self, listener_id: str) -> None:
+        with self.write() as s:
+            s.execute(delete(ResultListener).where(ResultListener.id == listener_id))
+
+    def result_listeners(self, host: str) -> list[int]:
+        """Ports of the API processes on ``host`` that want result notifications."""
+        with self.read() as s:
+            return list(s.scalars(select(ResultListener.port).where(ResultListener.host == host)))
 
     def engines(self) -> list[EngineRecord]:
         with self.read() as s:

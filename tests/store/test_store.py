@@ -2,6 +2,7 @@
 ordering cursors, engine loss, sessions, checkpoints, ownership, and 64 concurrent writers."""
 
 import multiprocessing as mp
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -26,7 +27,7 @@ def _model(store, owner="o", session=None, seq=0, base="b"):
 def test_migrations_create_every_table_and_rerun_cleanly(db_url, store):
     tables = set(inspect(store.engine).get_table_names())
     assert {"api_keys", "sessions", "models", "futures", "checkpoints", "sampling_sessions", "engines",
-            "settings", "alembic_version"} <= tables
+            "settings", "result_listeners", "alembic_version"} <= tables
     Store.open(db_url).close()  # second migration run is a no-op
 
 
@@ -71,6 +72,28 @@ def test_pending_lists_payload_free_rows_oldest_first_and_claim_returns_payloads
     assert {p.seq_id for p in pending} == {0, 1, 2, 3} and pending[1].n_tokens == 30
     assert store.claim(ids[:2]) == {ids[0]: bytes([3]), ids[1]: bytes([1])}
     assert [p.id for p in store.pending("b")] == [create, ids[2]]
+
+
+def test_pending_with_cursors_is_pending_plus_cursors_in_one_read(store):
+    _, mid, _ = _model(store)
+    store.submit(owner="o", base_model="b", op="optim_step", payload=b"", model_id=mid, seq_id=1)
+    store.submit(owner="o", base_model="b", op="unload_sampler", payload=None, sampler_id="s:sample:0")
+    pending, cursors = store.pending_with_cursors("b")
+    assert pending == store.pending("b")
+    assert cursors == store.cursors([mid]) and cursors[mid].next_seq == 0
+    assert store.claim([]) == {}
+
+
+def test_result_listeners_register_refresh_and_prune(store):
+    store.listen_results("api-1", "h", 5000)
+    store.listen_results("api-1", "h", 5001)  # a refresh, not a second row
+    store.listen_results("api-2", "other-host", 5002)
+    assert store.result_listeners("h") == [5001]
+    time.sleep(0.01)
+    store.listen_results("api-3", "h", 5003, stale_after_s=0)  # prunes every listener not just refreshed
+    assert store.result_listeners("h") == [5003] and store.result_listeners("other-host") == []
+    store.unlisten_results("api-3")
+    assert store.result_listeners("h") == []
 
 
 def test_engine_loss_fails_queued_requests_and_loses_models(store):

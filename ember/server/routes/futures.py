@@ -6,6 +6,8 @@ sample results are protobuf, everything else JSON."""
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
@@ -41,14 +43,31 @@ def render_result(row: Future) -> Response:
     return JSONResponse(reply)
 
 
+def _answer(store, request_id: str, owner: str) -> Response | str | None:
+    """One thread-pool hop: the rendered answer if the request finished, ``"pending"`` if not,
+    ``None`` if it does not exist (or is not the owner's)."""
+    row = store.get_future(request_id, owner)
+    if row is None:
+        return None
+    if row.state not in ("done", "failed"):
+        return "pending"
+    return render_result(row)
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(body: schemas.RetrieveFutureRequest, request: Request, owner: str = Depends(require_owner)):
     st = ember(request)
-    row = await run_in_threadpool(st.store.get_future, body.request_id, owner)
-    if row is None:
+    mark = st.waiter.mark()
+    answer = await run_in_threadpool(_answer, st.store, body.request_id, owner)
+    if answer is None:
         raise not_found(f"request {body.request_id!r}")
-    if row.state not in ("done", "failed"):
-        if not await st.waiter.wait(body.request_id, st.config.long_poll_s):
+    deadline = time.monotonic() + st.config.long_poll_s
+    while answer == "pending":
+        left = deadline - time.monotonic()
+        if left <= 0 or not await st.waiter.wait(body.request_id, left, since=mark):
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
-        row = await run_in_threadpool(st.store.get_future, body.request_id, owner)
-    return await run_in_threadpool(render_result, row)
+        mark = st.waiter.mark()
+        answer = await run_in_threadpool(_answer, st.store, body.request_id, owner)
+        if answer is None:  # purged meanwhile (cannot happen within the retention window)
+            raise not_found(f"request {body.request_id!r}")
+    return answer

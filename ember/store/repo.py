@@ -75,6 +75,11 @@ class ModelCursor:
     status: str
 
 
+# the columns of a PendingFuture, in its field order (the engine's queue reads)
+_PENDING_COLUMNS = (Future.id, Future.op, Future.model_id, Future.sampler_id, Future.seq_id, Future.n_tokens,
+                    Future.created_at)
+
+
 class Store:
     """Repository over Ember's tables (see :mod:`ember.store.models`)."""
 
@@ -460,15 +465,7 @@ class Store:
         """Queued requests of one base model, oldest first (no payloads)."""
         with self.read() as s:
             q = (
-                select(
-                    Future.id,
-                    Future.op,
-                    Future.model_id,
-                    Future.sampler_id,
-                    Future.seq_id,
-                    Future.n_tokens,
-                    Future.created_at,
-                )
+                select(*_PENDING_COLUMNS)
                 .where(Future.base_model == base_model, Future.state == "pending")
                 .order_by(Future.created_at, Future.id)
                 .limit(limit)
@@ -482,13 +479,7 @@ class Store:
         with self.read() as s:
             q = (
                 select(
-                    Future.id,
-                    Future.op,
-                    Future.model_id,
-                    Future.sampler_id,
-                    Future.seq_id,
-                    Future.n_tokens,
-                    Future.created_at,
+                    *_PENDING_COLUMNS,
                     TrainingModel.next_seq,
                     TrainingModel.status,
                 )

@@ -186,6 +186,7 @@ class StaticDecoder:
         self._graph_version = self.stacks.version
         self._pool = None
         self._staging: dict[str, torch.Tensor] = {}
+        self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
 
     def sync(self, slots: Iterable[int]) -> None:
         """Refresh the adapter stacks of ``slots`` (call when their requests are admitted)."""
@@ -217,8 +218,8 @@ class StaticDecoder:
 
     def _host(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer of at least ``numel`` elements (pinned on CUDA, so the copies to
-        the device are asynchronous), shared by every bucket: a step's copies are issued before the
-        step runs and the engine waits for each step's results before filling the next one."""
+        the device are asynchronous), shared by every bucket; :meth:`_fill` waits for the previous
+        step's copies before it writes them again."""
         t = self._staging.get(name)
         if t is None or t.numel() < numel:
             t = torch.empty(numel, dtype=dtype, pin_memory=self.cache.device.type == "cuda")
@@ -227,6 +228,8 @@ class StaticDecoder:
 
     def _fill(self, buf: _Buffers, batch: DecodeBatch, bucket: int) -> None:
         """Copy the step's inputs into the bucket's static buffers: three host-to-device copies."""
+        if self._staged is not None:  # the staging buffers are reused: the last copies must be done
+            self._staged.synchronize()
         n = len(batch)
         longs = self._host("longs", 3 * bucket, torch.long).view(3, bucket)
         ln = longs.numpy()
@@ -253,6 +256,9 @@ class StaticDecoder:
         buf.small.copy_(small, non_blocking=True)
         # only the pages of real rows are read (length 0 rows read none): stale columns are harmless
         buf.block_table[:n, :width].copy_(table, non_blocking=True)
+        if self.cache.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
 
     def _forward(self, buf: _Buffers, use_lora: bool) -> torch.Tensor:
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows) if use_lora else None

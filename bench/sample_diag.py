@@ -6,6 +6,9 @@ engine's decode step into the decoder (CUDA-graph replay), log-softmax + samplin
 bookkeeping (each part timed with a device sync); times the captured graph alone with CUDA events;
 and lists the GPU kernels of decode steps run without graphs (torch.profiler, ms per step).
 
+Part ``gemm``: one layer's base GEMMs at the batch's row count, alone and with q/k/v and gate/up
+fused into one product, under cuBLAS and cuBLASLt (µs and the bandwidth reached).
+
 Part ``sampling``: device-synced wall time of the sampling pieces of a step (log-softmax, the
 token draw with and without top-p, the host's uniform numbers) on [64, vocab] logits.
 
@@ -142,11 +145,13 @@ def step_breakdown(model, prompts, new: int, rank: int) -> dict:
 
 def sampling_parts(vocab: int, rows: int = 64, reps: int = 20) -> dict:
     """Wall time (ms, device-synced) of the per-step sampling pieces on ``[rows, vocab]`` fp32 logits."""
-    from ember.core.sampling.logits import capped, log_softmax, sample_tokens, seeded_uniform
+    from ember.core.sampling.logits import capped, log_softmax, sample_rows, sample_tokens, seeded_uniform
 
     raw = torch.randn(rows, vocab, device=DEVICE) * 3
     ones, minus, full = [1.0] * rows, [-1] * rows, [1.0] * rows
     us = [seeded_uniform(7, i) for i in range(rows)]
+    inv_t = torch.ones(rows, dtype=torch.float64, device=DEVICE)
+    u = torch.tensor(us, dtype=torch.float64, device=DEVICE)
     parts = {
         "log_softmax": lambda: log_softmax(raw, None),
         "capped": lambda: capped(raw, None),
@@ -154,6 +159,7 @@ def sampling_parts(vocab: int, rows: int = 64, reps: int = 20) -> dict:
         "sample_top_p_0.9": lambda: sample_tokens(raw, ones, minus, [0.9] * rows, us),
         "sample_plain_tolist": lambda: sample_tokens(raw, ones, minus, full, us).tolist(),
         "uniforms_host": lambda: [seeded_uniform(7, i) for i in range(rows)],
+        "sample_rows_kernel": lambda: sample_rows(raw, inv_t, u),
     }
     out = {}
     for name, fn in parts.items():
@@ -164,6 +170,42 @@ def sampling_parts(vocab: int, rows: int = 64, reps: int = 20) -> dict:
             fn()
         sync()
         out[name] = 1e3 * (time.perf_counter() - t0) / reps
+    return out
+
+
+def gemm_parts(model, rows: int = 64, reps: int = 200) -> dict:
+    """The base GEMMs of one decoder layer at ``rows`` rows (bf16, CUDA events over ``reps``
+    back-to-back launches): each projection alone, and q/k/v and gate/up as one product over
+    concatenated weights (what a fused decode weight would cost), with cuBLAS and with cuBLASLt.
+    Returns µs per product and the bandwidth it reaches (weight bytes / time)."""
+    import torch.nn.functional as F
+
+    if DEVICE != "cuda":
+        return {}
+    layer = model.model.layers[0]
+    att, mlp = layer.self_attn, layer.mlp
+    w = {n: getattr(att, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    w.update({n: getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")})
+    w["qkv (fused)"] = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]])
+    w["gate_up (fused)"] = torch.cat([w["gate_proj"], w["up_proj"]])
+    out: dict = {}
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for name, weight in w.items():
+            x = torch.randn(rows, weight.shape[1], device=DEVICE, dtype=weight.dtype)
+            for _ in range(3):
+                F.linear(x, weight)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                F.linear(x, weight)
+            end.record()
+            sync()
+            us = 1e3 * start.elapsed_time(end) / reps
+            out[f"{lib} {name}"] = {"us": round(us, 2), "TB/s": round(weight.numel() * weight.element_size() / us / 1e6, 2)}
+    torch.backends.cuda.preferred_blas_library("cublas")
+    for k, v in out.items():
+        print(f"  {k:28s} {v['us']:8.2f} us  {v['TB/s']:5.2f} TB/s", flush=True)
     return out
 
 
@@ -215,7 +257,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--gap-prompts", type=int, default=16)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--only", default="steps,sampling,gap")
+    ap.add_argument("--only", default="steps,gemm,sampling,gap")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -229,6 +271,8 @@ def main() -> None:
         r = step_breakdown(model, prompts, args.new, args.rank)
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
+    if "gemm" in only:
+        results["gemm"] = gemm_parts(model, args.prompts)
     if "sampling" in only:
         results["sampling"] = sampling_parts(vocab)
         print("sampling parts (ms):", {k: round(v, 3) for k, v in results["sampling"].items()}, flush=True)

@@ -105,14 +105,32 @@ SCRIPT = textwrap.dedent(
     y3 = ld.lora_delta_add(torch.zeros(1, 13, 300), x3, A, B, offs)
     check("delta_add 3-d", y3[0], reference(torch.zeros(13, 300), x3[0], A, B, offs), 1e-5)
 
-    # StaticRoute on the kernels equals the grouped-product formula
-    st = types.SimpleNamespace(stacks={"m": (A, B)})
+    # StaticRoute on the kernels equals the grouped-product formula; "q" and "k" share an input and
+    # their A stacks (one shrink for both, into the step's workspace), "o" is alone
+    R = A.shape[1]
+    A_qk = torch.cat([A, 0.5 * A], dim=1)
+    A_o = A.clone()
+    B_k = B[:, :200].clone()
+    st = types.SimpleNamespace(
+        stacks={"q": (A_qk[:, :R], B), "k": (A_qk[:, R:], B_k), "o": (A_o, B)},
+        fused={"q": A_qk, "o": A_o},
+        member={"q": ("q", 0), "k": ("q", 1), "o": ("o", 0)},
+        rank=R,
+    )
     W = torch.randn(300, 128)
-    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32))
     xf = torch.randn(13, 128)
-    ref = xf @ W.T + ld.lora_delta_torch(xf, A, B, offs)
-    check("route.linear", route.linear("m", xf, W, None)[:11], ref[:11], 1e-5)
-    check("route.delta", route.delta("m", xf)[:11], ld.lora_delta_torch(xf, A, B, offs)[:11], 1e-5)
+    shrinks = []
+    real_shrink = ld.lora_shrink
+    ld.lora_shrink = lambda *a, **k: shrinks.append(a[1].shape) or real_shrink(*a, **k)
+    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32))
+    check("route.linear", route.linear("q", xf, W, None)[:11], (xf @ W.T + ld.lora_delta_torch(xf, A, B, offs))[:11], 1e-5)
+    ref_k = xf @ W[:200].T + ld.lora_delta_torch(xf, 0.5 * A, B_k, offs)
+    check("route.linear shared input", route.linear("k", xf, W[:200], None)[:11], ref_k[:11], 1e-5)
+    assert shrinks == [A_qk.shape], shrinks  # k reused q's shrink
+    x2 = torch.randn(13, 128)  # another input: computed again
+    check("route.delta", route.delta("k", x2)[:11], ld.lora_delta_torch(x2, 0.5 * A, B_k, offs)[:11], 1e-5)
+    check("route.delta alone", route.delta("o", xf)[:11], ld.lora_delta_torch(xf, A, B, offs)[:11], 1e-5)
+    assert len(shrinks) == 3
     assert route.delta("other", xf) is None and route.linear("other", xf, W, None).equal(xf @ W.T)
     print("OK")
     """

@@ -151,14 +151,21 @@ def lora_shrink(
     offsets: torch.Tensor,
     n_rows: torch.Tensor | None = None,
     skip_first: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``h[rows of g] = x[rows of g] @ A[g].T`` in fp32 (``x`` ``[N, in]``, ``A`` ``[G, r, in]``) ->
     ``[N, r]``. Rows of no group, rows from ``n_rows[0]`` on (an int32 device scalar, optional) and,
-    with ``skip_first``, rows of group 0 (whose factors must then be zeros) are left at zero."""
+    with ``skip_first``, rows of group 0 (whose factors must then be zeros) are left at zero.
+    ``out``: a zeroed fp32 ``[N, r]`` tensor (unit stride along r) to accumulate into."""
     _check(x, A, offsets)
     N, K = x.shape
     G, R, _ = A.shape
-    h = torch.zeros(N, R, dtype=torch.float32, device=x.device)
+    if out is None:
+        h = torch.zeros(N, R, dtype=torch.float32, device=x.device)
+    elif out.shape != (N, R) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"lora_shrink: out must be fp32 [{N}, {R}] with unit stride, got {out.dtype} {tuple(out.shape)}")
+    else:
+        h = out
     first = 1 if skip_first else 0
     if N == 0 or G <= first:
         return h

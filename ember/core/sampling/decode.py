@@ -37,6 +37,10 @@ class DecodeBatch:
     slot_mapping: list[int]
     block_tables: list[list[int]]
     record_routing: bool = False
+    # plain draw of each row, where the decoder samples in its step (the static decoder): inverse
+    # temperature (0: greedy) and uniform number; None: the decoder only returns logits
+    inv_temperature: list[float] | None = None
+    uniforms: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -120,8 +124,9 @@ class EagerDecoder:
         route = LoraRoute(groups, self.cache.device)
         return route if route.adapted else None
 
-    def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
-        """Raw fp32 logits ``[B, V]`` of the step and, if asked, the MoE routing record."""
+    def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None, None]:
+        """Raw fp32 logits ``[B, V]`` of the step and, if asked, the MoE routing record (no draw:
+        the engine samples from the logits)."""
         device = self.cache.device
         positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
         width = max(len(t) for t in batch.block_tables)
@@ -146,4 +151,4 @@ class EagerDecoder:
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
         hidden = self.model.hidden_states(input_ids, ctx)
         logits = head_logits(hidden, self.model.unembed_weight, lora)
-        return logits, (routing.record if routing is not None else None)
+        return logits, (routing.record if routing is not None else None), None

@@ -43,6 +43,7 @@ from ember.core.sampling.logits import (
     chunked_rows,
     head_logits,
     log_softmax,
+    plain,
     sample_tokens,
     seeded_uniform,
     topk_logprobs,
@@ -276,7 +277,6 @@ class SamplingEngine:
         last = [batch.starts[i] + batch.lengths[i] - 1 for i in order]
         route = self.bank.route(_runs([(reqs[i].request.slot, False) for i in order]))
         raw = head_logits(hidden[last], self.model.unembed_weight, route)
-        lp, z = log_softmax(raw, self.softcap), capped(raw, self.softcap)
         row = {i: j for j, i in enumerate(order)}
 
         for i, r in enumerate(reqs):
@@ -289,7 +289,7 @@ class SamplingEngine:
 
         seqs = [s for i in order for s in reqs[i].sequences]
         rows = [row[i] for i in order for _ in reqs[i].sequences]
-        self._sample_into(seqs, rows, lp, z)
+        self._sample_into(seqs, rows, raw)
         self.stats.prefill_passes += 1
         self.stats.prefill_tokens += batch.num_tokens
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -366,6 +366,7 @@ class SamplingEngine:
         for s in seqs:
             if s.cached == len(s.pages) * ps:
                 s.pages.append(self.cache.allocate())
+        reqs = [s.request.request for s in seqs]
         batch = DecodeBatch(
             seq_ids=[s.id for s in seqs],
             slots=[s.slot for s in seqs],
@@ -373,9 +374,11 @@ class SamplingEngine:
             positions=[s.cached for s in seqs],
             slot_mapping=[s.pages[s.cached // ps] * ps + s.cached % ps for s in seqs],
             block_tables=[s.pages for s in seqs],
-            record_routing=any(s.request.request.record_routing for s in seqs),
+            record_routing=any(q.record_routing for q in reqs),
+            inv_temperature=[1.0 / q.temperature if q.temperature > 0 else 0.0 for q in reqs],
+            uniforms=[seeded_uniform(s.seed, len(s.tokens)) for s in seqs],
         )
-        raw, record = self._run_decoder(batch)
+        raw, record, chosen = self._run_decoder(batch)
         for s in seqs:
             s.cached += 1
         if record is not None:
@@ -383,7 +386,7 @@ class SamplingEngine:
             for i, s in enumerate(seqs):
                 if s.request.request.record_routing:
                     s.routing.append(arr[i : i + 1])
-        self._sample_into(seqs, list(range(len(seqs))), log_softmax(raw, self.softcap), capped(raw, self.softcap))
+        self._sample_into(seqs, list(range(len(seqs))), raw, chosen)
         for s in seqs:
             if s.stop_reason is not None:
                 self._finish(s, finished)
@@ -406,30 +409,45 @@ class SamplingEngine:
 
     # -- sampling and results --------------------------------------------------------------------
 
-    def _sample_into(self, seqs: list[SequenceState], rows: list[int], lp: torch.Tensor, z: torch.Tensor) -> None:
-        """Sample the next token of each sequence from logits row ``rows[i]`` and record it."""
-        tokens: list[int] = []
-        for c0 in range(0, len(seqs), SAMPLE_ROWS):
-            part = seqs[c0 : c0 + SAMPLE_ROWS]
-            idx = torch.tensor(rows[c0 : c0 + SAMPLE_ROWS], device=z.device)
-            reqs = [s.request.request for s in part]
-            tokens += sample_tokens(
-                z.index_select(0, idx),
-                [q.temperature for q in reqs],
-                [q.top_k for q in reqs],
-                [q.top_p for q in reqs],
-                [seeded_uniform(s.seed, len(s.tokens)) for s in part],
-            ).tolist()
-        tok = torch.tensor(tokens, device=lp.device)
-        row_t = torch.tensor(rows, device=lp.device)
-        token_lp = lp[row_t, tok].tolist()
-        k_max = max(s.request.request.topk_sample for s in seqs)
+    def _sample_into(
+        self, seqs: list[SequenceState], rows: list[int], raw: torch.Tensor, chosen: torch.Tensor | None = None
+    ) -> None:
+        """Sample the next token of each sequence from raw logits row ``rows[i]`` and record it.
+        ``chosen`` (fp64 ``[2, rows]``: token ids, logprobs), from a decoder that drew every row's
+        plain sample in its step, is taken for the rows whose parameters are plain."""
+        reqs = [s.request.request for s in seqs]
+        n = len(seqs)
+        tokens: list[int] = [0] * n
+        token_lp: list[float] = [0.0] * n
+        todo = list(range(n))
+        if chosen is not None:
+            picked = chosen.cpu().numpy()
+            todo = []
+            for i, q in enumerate(reqs):
+                if plain(q.temperature, q.top_k, q.top_p, self.vocab):
+                    tokens[i], token_lp[i] = int(picked[0, rows[i]]), float(picked[1, rows[i]])
+                else:
+                    todo.append(i)
+        for c0 in range(0, len(todo), SAMPLE_ROWS):
+            part = todo[c0 : c0 + SAMPLE_ROWS]
+            idx = torch.tensor([rows[i] for i in part], device=raw.device)
+            sub = raw.index_select(0, idx)
+            tok = sample_tokens(
+                capped(sub, self.softcap),
+                [reqs[i].temperature for i in part],
+                [reqs[i].top_k for i in part],
+                [reqs[i].top_p for i in part],
+                [seeded_uniform(seqs[i].seed, len(seqs[i].tokens)) for i in part],
+            )
+            lps = log_softmax(sub, self.softcap).gather(1, tok[:, None])[:, 0]
+            for i, t, l in zip(part, tok.tolist(), lps.tolist()):
+                tokens[i], token_lp[i] = t, l
+        k_max = max(q.topk_sample for q in reqs)
         if k_max:
-            top_ids, top_vals = topk_logprobs(lp, k_max)
+            top_ids, top_vals = topk_logprobs(log_softmax(raw, self.softcap), k_max)
         if self.stats.first_token_time is None:
             self.stats.first_token_time = time.perf_counter()
-        for s, r_i, t, l in zip(seqs, rows, tokens, token_lp):
-            req = s.request.request
+        for s, req, r_i, t, l in zip(seqs, reqs, rows, tokens, token_lp):
             s.tokens.append(t)
             s.logprobs.append(l)
             if req.topk_sample:

@@ -33,13 +33,14 @@ import torch
 import torch.nn.functional as F
 
 from ember.core.adapters import AdapterBank
-from ember.core.kernels import lora_decode
-from ember.core.kernels.lora_decode import lora_delta_add
+from ember.core.kernels import fused, lora_decode
+from ember.core.kernels.grouped import grouped_linear
 from ember.core.logprobs import chunk_logits
 from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
 from ember.core.sampling.kv_cache import PagedKVCache
+from ember.core.sampling.logits import capped, sample_rows
 
 RANK_MULTIPLE = 16
 
@@ -53,8 +54,16 @@ def default_buckets(max_seqs: int) -> tuple[int, ...]:
     return tuple(x for x in out if x < max_seqs) + (max_seqs,)
 
 
+# modules that read the same input in a decoder layer: their LoRA shrinks run as one product
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 class LoraStacks:
-    """The factors of every bank slot, stacked per adapted dense module (slot 0 = zeros)."""
+    """The factors of every bank slot, stacked per adapted dense module (slot 0 = zeros).
+
+    Modules that read one input (:data:`SHARED_INPUT`: q/k/v, gate/up of a layer) keep their ``A``
+    stacks side by side in one tensor ``[slots + 1, members · r, in]`` (:attr:`fused`); each
+    module's ``A`` is a view of its rows, so one shrink serves them all (:class:`StaticRoute`)."""
 
     def __init__(self, bank: AdapterBank, dtype: torch.dtype):
         self.bank = bank
@@ -64,6 +73,8 @@ class LoraStacks:
         self.shapes = {t.name: (t.in_features, t.out_features) for t in bank.targets if t.num_experts is None}
         self.rank = 0
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fused: dict[str, torch.Tensor] = {}  # group key -> A of its members, stacked along r
+        self.member: dict[str, tuple[str, int]] = {}  # module -> (group key, index in the group)
         self.synced: set[int] = set()
         self.version = 0  # bumped when the stacks are reallocated (captured graphs become stale)
 
@@ -84,14 +95,32 @@ class LoraStacks:
             for a in adapters:
                 self._copy(a)
 
-    def _allocate(self, rank: int, names: set[str]) -> None:
-        self.rank = math.ceil(rank / RANK_MULTIPLE) * RANK_MULTIPLE
-        self.stacks = {}
+    def _shared_groups(self, names: set[str]) -> list[list[str]]:
+        """``names`` partitioned into groups that share an input (singletons for the rest)."""
+        groups: list[list[str]] = []
+        taken: set[str] = set()
         for name in sorted(names):
-            i, o = self.shapes[name]
-            A = torch.zeros(self.groups, self.rank, i, dtype=self.dtype, device=self.device)
-            B = torch.zeros(self.groups, o, self.rank, dtype=self.dtype, device=self.device)
-            self.stacks[name] = (A, B)
+            prefix, _, leaf = name.rpartition(".")
+            for siblings in SHARED_INPUT:
+                if leaf == siblings[0]:
+                    members = [f"{prefix}.{m}" if prefix else m for m in siblings]
+                    members = [m for m in members if m in names]
+                    if len({self.shapes[m][0] for m in members}) == 1:
+                        groups.append(members)
+                        taken.update(members)
+        return groups + [[n] for n in sorted(names - taken)]
+
+    def _allocate(self, rank: int, names: set[str]) -> None:
+        self.rank = R = math.ceil(rank / RANK_MULTIPLE) * RANK_MULTIPLE
+        self.stacks, self.fused, self.member = {}, {}, {}
+        for members in self._shared_groups(names):
+            i = self.shapes[members[0]][0]
+            A_all = torch.zeros(self.groups, len(members) * R, i, dtype=self.dtype, device=self.device)
+            self.fused[members[0]] = A_all
+            for j, name in enumerate(members):
+                B = torch.zeros(self.groups, self.shapes[name][1], R, dtype=self.dtype, device=self.device)
+                self.stacks[name] = (A_all[:, j * R : (j + 1) * R], B)
+                self.member[name] = (members[0], j)
         self.version += 1
         previous, self.synced = self.synced, set()
         with torch.no_grad():
@@ -116,28 +145,66 @@ class StaticRoute:
     """A LoRA route over :class:`LoraStacks` for rows sorted by slot: ``offsets[s]`` ends slot
     ``s``'s rows (int32, the last entry is the padded row count). ``n_rows`` (int32 ``[1]``, optional)
     counts the real rows: the padding after them joins the last group for the grouped products, but
-    the Triton kernels skip it (and slot 0, whose factors are zeros), so an unused slot costs nothing."""
+    the Triton kernels skip it (and slot 0, whose factors are zeros), so an unused slot costs nothing.
+
+    The first module of a shared-input group to be called with an input computes the shrink of the
+    whole group (``h`` of every member, one launch); the others, called with the same tensor, take
+    their columns of it. On the Triton path the fp32 ``h`` of every group lives in one workspace,
+    zeroed once per step."""
 
     def __init__(self, stacks: LoraStacks, offsets: torch.Tensor, n_rows: torch.Tensor | None = None):
         self.stacks = stacks
         self.offsets = offsets
         self.n_rows = n_rows
+        self._last: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, h of the group)
+        self._workspace: torch.Tensor | None = None
+        self._used = 0
+
+    def _zeros(self, n: int, cols: int, device: torch.device) -> torch.Tensor:
+        """A zeroed fp32 ``[n, cols]`` block of the step's workspace (a fresh one once it is used up)."""
+        if self._workspace is None:
+            total = sum(A.shape[1] for A in self.stacks.fused.values())
+            self._workspace = torch.zeros(n * total, dtype=torch.float32, device=device)
+        if self._used + n * cols > self._workspace.numel():
+            return torch.zeros(n, cols, dtype=torch.float32, device=device)
+        out = self._workspace[self._used : self._used + n * cols].view(n, cols)
+        self._used += n * cols
+        return out
+
+    def _shrink(self, name: str, x: torch.Tensor, triton: bool) -> torch.Tensor:
+        """``x @ A.T`` of module ``name`` (``[N, r]``), computed with the rest of its group."""
+        key, j = self.stacks.member[name]
+        if self._last is None or self._last[0] != key or self._last[1] is not x:
+            A_all = self.stacks.fused[key]
+            x2 = x.reshape(-1, x.shape[-1])
+            if triton:
+                out = self._zeros(x2.shape[0], A_all.shape[1], x.device)
+                h = lora_decode.lora_shrink(x2.contiguous(), A_all, self.offsets, self.n_rows, True, out=out)
+            else:
+                h = grouped_linear(x2, A_all, self.offsets)
+            self._last = (key, x, h)
+        R = self.stacks.rank
+        return self._last[2][:, j * R : (j + 1) * R]
 
     def add_delta(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus module ``name``'s LoRA delta of ``x`` (in place on the Triton path)."""
         st = self.stacks.stacks.get(name)
         if st is None:
             return y
-        return lora_delta_add(y, x, st[0], st[1], self.offsets, self.n_rows, skip_first=True)
+        A, B = st
+        triton = lora_decode.triton_ok(y, x, A, B) and fused.use_triton(self.offsets) and y.is_contiguous()
+        h = self._shrink(name, x, triton)
+        if triton:
+            lora_decode.lora_expand_add(y.view(-1, y.shape[-1]), h, B, self.offsets, self.n_rows, True)
+            return y
+        return y + grouped_linear(h.contiguous(), B, self.offsets).view(y.shape)
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
         st = self.stacks.stacks.get(name)
         if st is None:
             return None
-        if lora_decode.triton_ok(x, st[0], st[1]):
-            y = torch.zeros(*x.shape[:-1], st[1].shape[1], dtype=x.dtype, device=x.device)
-            return self.add_delta(name, x, y)
-        return lora_decode.lora_delta_torch(x, st[0], st[1], self.offsets)
+        y = torch.zeros(*x.shape[:-1], st[1].shape[1], dtype=x.dtype, device=x.device)
+        return self.add_delta(name, x, y)
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.add_delta(name, x, F.linear(x, weight, bias))
@@ -152,6 +219,7 @@ class _Buffers:
 
     longs: torch.Tensor  # int64 [3, bucket]: input_ids, positions, slot_mapping
     small: torch.Tensor  # int32 [bucket + groups + 1]: seq_lens, offsets, n_rows
+    floats: torch.Tensor  # fp64 [2, bucket]: inverse temperature (0: greedy), uniform number
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -182,7 +250,7 @@ class StaticDecoder:
         self.use_graphs = use_graphs and cache.device.type == "cuda"
         self.rope_tables: dict = {}
         self._buffers: dict[int, _Buffers] = {}
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._graph_version = self.stacks.version
         self._pool = None
         self._staging: dict[str, torch.Tensor] = {}
@@ -203,9 +271,12 @@ class StaticDecoder:
             d = self.cache.device
             longs = torch.zeros(3, bucket, dtype=torch.long, device=d)
             small = torch.zeros(bucket + self.stacks.groups + 1, dtype=torch.int32, device=d)
+            floats = torch.zeros(2, bucket, dtype=torch.float64, device=d)
+            floats[1] = 0.5
             self._buffers[bucket] = _Buffers(
                 longs=longs,
                 small=small,
+                floats=floats,
                 input_ids=longs[0],
                 positions=longs[1],
                 slot_mapping=longs[2],
@@ -227,7 +298,7 @@ class StaticDecoder:
         return t[:numel]
 
     def _fill(self, buf: _Buffers, batch: DecodeBatch, bucket: int) -> None:
-        """Copy the step's inputs into the bucket's static buffers: three host-to-device copies."""
+        """Copy the step's inputs into the bucket's static buffers: four host-to-device copies."""
         if self._staged is not None:  # the staging buffers are reused: the last copies must be done
             self._staged.synchronize()
         n = len(batch)
@@ -246,6 +317,13 @@ class StaticDecoder:
         offsets[-1] = bucket  # padded rows join the last group; their outputs are dropped
         sm[bucket : bucket + groups] = offsets
         sm[-1] = n
+        floats = self._host("floats", 2 * bucket, torch.float64).view(2, bucket)
+        fl = floats.numpy()
+        fl[0] = 0.0  # rows without sampling parameters (and padding): greedy
+        fl[1] = 0.5
+        if batch.inv_temperature is not None:
+            fl[0, :n] = batch.inv_temperature
+            fl[1, :n] = batch.uniforms
         width = max(len(t) for t in batch.block_tables)
         table = self._host("table", n * width, torch.int32).view(n, width)
         tn = table.numpy()
@@ -254,13 +332,14 @@ class StaticDecoder:
             tn[i, : len(t)] = t
         buf.longs.copy_(longs, non_blocking=True)
         buf.small.copy_(small, non_blocking=True)
+        buf.floats.copy_(floats, non_blocking=True)
         # only the pages of real rows are read (length 0 rows read none): stale columns are harmless
         buf.block_table[:n, :width].copy_(table, non_blocking=True)
         if self.cache.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
 
-    def _forward(self, buf: _Buffers, use_lora: bool) -> torch.Tensor:
+    def _forward(self, buf: _Buffers, use_lora: bool) -> tuple[torch.Tensor, torch.Tensor]:
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows) if use_lora else None
         ctx = DecodeContext(
             positions=buf.positions,
@@ -274,29 +353,35 @@ class StaticDecoder:
         logits = chunk_logits(hidden, self.model.unembed_weight, [], 0, hidden.shape[0])
         if route is not None:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
-        return logits
+        # every row's plain draw and its logprob, in the graph (one kernel); the engine uses the rows
+        # whose parameters are plain (see DecodeBatch.inv_temperature)
+        tokens, token_lp = sample_rows(capped(logits, self.model.final_logit_softcap), buf.floats[0], buf.floats[1])
+        return logits, torch.stack([tokens.to(torch.float64), token_lp.to(torch.float64)])
 
-    def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, None]:
-        """Raw fp32 logits ``[B, V]`` of the step (no routing record on this path)."""
+    def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, None, torch.Tensor]:
+        """Raw fp32 logits ``[B, V]`` of the step, no routing record (this path has none), and the
+        plain draw of every row: fp64 ``[2, B]`` (token ids, their logprobs)."""
         if batch.record_routing:
             raise ValueError("the static decoder records no MoE routing")
         bucket = self.bucket(len(batch))
         buf = self._buffers_for(bucket)
         self._fill(buf, batch, bucket)
         use_lora = any(batch.slots)
+        n = len(batch)
         if not self.use_graphs:
-            return self._forward(buf, use_lora)[: len(batch)], None
+            logits, chosen = self._forward(buf, use_lora)
+            return logits[:n], None, chosen[:, :n]
         if self.stacks.version != self._graph_version:
             self._graphs.clear()
             self._graph_version = self.stacks.version
         key = (bucket, use_lora)
         if key not in self._graphs:
             self._graphs[key] = self._capture(buf, use_lora)
-        graph, out = self._graphs[key]
+        graph, (logits, chosen) = self._graphs[key]
         graph.replay()
-        return out[: len(batch)], None
+        return logits[:n], None, chosen[:, :n]
 
-    def _capture(self, buf: _Buffers, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, buf: _Buffers, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # warm up on a side stream (Triton compilation, cuBLAS handles, rotary tables), then capture;
         # the warm-up writes the same keys and values the replay will write
         if self._pool is None:

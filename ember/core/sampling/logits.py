@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ember.core.kernels import sampling as sampling_kernel
 from ember.core.layers.lora import LoraRoute
 from ember.core.logprobs import apply_softcap, chunk_logits, default_chunk, head_lora_parts, row_logsumexp
 
@@ -77,6 +78,27 @@ def topk_logprobs(logprobs: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarra
     return ids[:, :k].to(torch.int32).cpu().numpy(), values[:, :k].float().cpu().numpy()
 
 
+def plain(temperature: float, top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether a row with these parameters is sampled by :func:`sample_rows` (greedy, or
+    temperature without top-k/top-p truncation)."""
+    return temperature == 0 or (_k(top_k, vocab) == vocab and top_p >= 1)
+
+
+def sample_rows(z: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain rows: one token per row of ``z`` (``[B, V]`` fp32, softcap applied) drawn at
+    temperature ``1 / inv_temperature[b]`` (0: greedy) by inverting the cumulative distribution at
+    ``u[b]``, and its logprob at temperature 1. One Triton kernel on the GPU
+    (:mod:`ember.core.kernels.sampling`), fp64 PyTorch elsewhere; both pick the same token unless
+    ``u`` lies within rounding distance of a boundary. Returns ``(tokens [B] long, logprobs [B] fp32)``."""
+    if sampling_kernel.available(z):
+        return sampling_kernel.sample_rows(z.contiguous(), inv_temperature, u)
+    inv_t = inv_temperature.to(torch.float64)
+    probs = torch.softmax(z.double() * inv_t[:, None], dim=-1)
+    tok = torch.where(inv_t == 0, z.argmax(dim=-1), _invert_cdf(probs, u.to(torch.float64)[:, None]))
+    lp = z.gather(1, tok[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
+    return tok, lp
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: Sequence[float],
@@ -89,16 +111,15 @@ def sample_tokens(
     B, V = logits.shape
     device = logits.device
     out = torch.empty(B, dtype=torch.long, device=device)
-    greedy = [i for i in range(B) if temperature[i] == 0]
-    plain = [i for i in range(B) if temperature[i] > 0 and _k(top_k[i], V) == V and top_p[i] >= 1]
-    filtered = [i for i in range(B) if temperature[i] > 0 and (_k(top_k[i], V) < V or top_p[i] < 1)]
-    if greedy:
-        idx = torch.tensor(greedy, device=device)
-        out[idx] = logits.index_select(0, idx).argmax(dim=-1)
-    if plain:
-        idx = torch.tensor(plain, device=device)
-        z = logits.index_select(0, idx).double() / _col([temperature[i] for i in plain], device)
-        out[idx] = _invert_cdf(torch.softmax(z, dim=-1), _col([uniforms[i] for i in plain], device))
+    simple = [i for i in range(B) if plain(temperature[i], top_k[i], top_p[i], V)]
+    filtered = [i for i in range(B) if not plain(temperature[i], top_k[i], top_p[i], V)]
+    if simple:
+        idx = torch.tensor(simple, device=device)
+        params = torch.tensor(
+            [[1.0 / temperature[i] if temperature[i] > 0 else 0.0 for i in simple], [uniforms[i] for i in simple]],
+            dtype=torch.float64,
+        ).to(device)
+        out[idx] = sample_rows(logits.index_select(0, idx), params[0], params[1])[0]
     if filtered:
         idx = torch.tensor(filtered, device=device)
         z = logits.index_select(0, idx).double() / _col([temperature[i] for i in filtered], device)

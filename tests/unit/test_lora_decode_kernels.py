@@ -106,14 +106,18 @@ SCRIPT = textwrap.dedent(
     check("delta_add 3-d", y3[0], reference(torch.zeros(13, 300), x3[0], A, B, offs), 1e-5)
 
     # StaticRoute on the kernels equals the grouped-product formula; "q" and "k" share an input and
-    # their A stacks (one shrink for both, into the step's workspace), "o" is alone
+    # their stacks (A side by side, B block-diagonal: one shrink for both, into the step's
+    # workspace), "o" is alone
     R = A.shape[1]
     A_qk = torch.cat([A, 0.5 * A], dim=1)
-    A_o = A.clone()
     B_k = B[:, :200].clone()
+    B_qk = torch.zeros(B.shape[0], 500, 2 * R)
+    B_qk[:, :300, :R] = B
+    B_qk[:, 300:, R:] = B_k
+    A_o, B_o = A.clone(), B.clone()
     st = types.SimpleNamespace(
-        stacks={"q": (A_qk[:, :R], B), "k": (A_qk[:, R:], B_k), "o": (A_o, B)},
-        fused={"q": A_qk, "o": A_o},
+        stacks={"q": (A_qk[:, :R], B_qk[:, :300, :R]), "k": (A_qk[:, R:], B_qk[:, 300:, R:]), "o": (A_o, B_o)},
+        fused={"q": (A_qk, B_qk), "o": (A_o, B_o)},
         member={"q": ("q", 0), "k": ("q", 1), "o": ("o", 0)},
         rank=R,
     )
@@ -132,6 +136,33 @@ SCRIPT = textwrap.dedent(
     check("route.delta alone", route.delta("o", xf)[:11], ld.lora_delta_torch(xf, A, B, offs)[:11], 1e-5)
     assert len(shrinks) == 3
     assert route.delta("other", xf) is None and route.linear("other", xf, W, None).equal(xf @ W.T)
+
+    # packed base weights: one GEMM, one shrink and one expand for the group; members get their columns
+    from torch import nn
+    from ember.core.layers.lora import LoraLinear
+    from ember.core.sampling.graphs import PackedLinears
+
+    mlp = nn.Module()  # a gate/up pair (named "q" and "k" for the stacks above)
+    mlp.gate_proj, mlp.up_proj = LoraLinear(128, 300, False, "mlp"), LoraLinear(128, 200, False, "mlp")
+    mlp.gate_proj.lora_name, mlp.up_proj.lora_name = "q", "k"
+    mlp.gate_proj.weight.data.copy_(W)
+    mlp.up_proj.weight.data.copy_(W[:200])
+    packed = PackedLinears(types.SimpleNamespace(modules=lambda: [mlp]))
+    assert packed.weights["q"][0].shape == (500, 128) and mlp.up_proj.weight.equal(W[:200])
+    shrinks.clear()
+    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32), packed)
+    q = route.linear("q", xf, mlp.gate_proj.weight, None)
+    k = route.linear("k", xf, mlp.up_proj.weight, None)
+    check("packed q", q[:11], (xf @ W.T + ld.lora_delta_torch(xf, A, B, offs))[:11], 1e-5)
+    check("packed k", k[:11], ref_k[:11], 1e-5)
+    assert shrinks == [A_qk.shape], shrinks
+    # a weight that is no longer the packed view is used as it is
+    mlp.up_proj.weight.data = W[:200].clone() * 2
+    k2 = route.linear("k", xf, mlp.up_proj.weight, None)
+    check("unpacked k", k2[:11], (xf @ (2 * W[:200]).T + ld.lora_delta_torch(xf, 0.5 * A, B_k, offs))[:11], 1e-5)
+    # base only (no adapters in the batch)
+    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32), packed, lora=False)
+    check("packed q, base only", route.linear("q", xf, mlp.gate_proj.weight, None), xf @ W.T, 1e-6)
     print("OK")
     """
 )

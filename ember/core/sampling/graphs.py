@@ -36,6 +36,7 @@ from ember.core.adapters import AdapterBank
 from ember.core.kernels import fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
 from ember.core.logprobs import chunk_logits
+from ember.core.layers.lora import LoraLinear
 from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
@@ -54,27 +55,86 @@ def default_buckets(max_seqs: int) -> tuple[int, ...]:
     return tuple(x for x in out if x < max_seqs) + (max_seqs,)
 
 
-# modules that read the same input in a decoder layer: their LoRA shrinks run as one product
+# modules that read the same input in a decoder layer (a group is named by its first member)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def shared_input_groups(model: CausalLM) -> list[list[LoraLinear]]:
+    """The :data:`SHARED_INPUT` groups of ``model``'s LoRA linears (members with one input width)."""
+    groups = []
+    for mod in model.modules():
+        for names in SHARED_INPUT:
+            members = [getattr(mod, n, None) for n in names]
+            if all(isinstance(m, LoraLinear) for m in members) and len({m.in_features for m in members}) == 1:
+                groups.append(members)
+    return groups
+
+
+class PackedLinears:
+    """The base weights of each shared-input group laid side by side in one tensor (rows of the
+    members in order), so a decode step runs one GEMM per group: at the batch sizes of decode the
+    small k/v products alone reach a fifth of the memory bandwidth (``bench/sample_diag.py --only
+    gemm``), the packed q/k/v product most of it.
+
+    Packing makes each member's ``weight`` (and ``bias``) a view of the group's tensor: values,
+    shapes and parameters are unchanged, so the trainer, which shares the model, sees no
+    difference. :meth:`rows` re-checks that a weight is still that view before it is used."""
+
+    def __init__(self, model: CausalLM):
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.member: dict[str, tuple[str, int, int]] = {}  # module -> (group, first row, end row)
+        self._views: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for members in shared_input_groups(model):
+                ws = [m.weight for m in members]
+                biases = [m.bias for m in members]
+                if len({(w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
+                    continue
+                key = members[0].lora_name
+                W = torch.cat([w.data for w in ws])
+                b = torch.cat([x.data for x in biases]) if biases[0] is not None else None
+                start = 0
+                for m in members:
+                    end = start + m.out_features
+                    m.weight.data = W[start:end]
+                    if b is not None:
+                        m.bias.data = b[start:end]
+                    self.member[m.lora_name] = (key, start, end)
+                    self._views[m.lora_name] = m.weight
+                    start = end
+                self.weights[key] = (W, b)
+
+    def rows(self, name: str, weight: torch.Tensor) -> tuple[str, int, int] | None:
+        """``(group, first row, end row)`` of module ``name`` if ``weight`` is still its packed view."""
+        entry = self.member.get(name)
+        if entry is None:
+            return None
+        W = self.weights[entry[0]][0]
+        if weight.data_ptr() != W[entry[1] :].data_ptr() or weight.shape[0] != entry[2] - entry[1]:
+            return None
+        return entry
 
 
 class LoraStacks:
     """The factors of every bank slot, stacked per adapted dense module (slot 0 = zeros).
 
-    Modules that read one input (:data:`SHARED_INPUT`: q/k/v, gate/up of a layer) keep their ``A``
-    stacks side by side in one tensor ``[slots + 1, members · r, in]`` (:attr:`fused`); each
-    module's ``A`` is a view of its rows, so one shrink serves them all (:class:`StaticRoute`)."""
+    The modules of a shared-input group (``shared``: lists of module names, see
+    :func:`shared_input_groups`) are stacked together, all of them once any is adapted:
+    ``A`` side by side along r (``[slots + 1, members · r, in]``) and ``B`` block-diagonal
+    (``[slots + 1, sum of outs, members · r]``), so one shrink and one expand serve the group
+    (:attr:`fused`); each module's own ``A`` and ``B`` are views of its blocks."""
 
-    def __init__(self, bank: AdapterBank, dtype: torch.dtype):
+    def __init__(self, bank: AdapterBank, dtype: torch.dtype, shared: list[list[str]] = ()):
         self.bank = bank
         self.dtype = dtype
         self.device = bank.device
         self.groups = bank.max_adapters + 1
         self.shapes = {t.name: (t.in_features, t.out_features) for t in bank.targets if t.num_experts is None}
+        self.shared = [g for g in shared if all(n in self.shapes for n in g)]
         self.rank = 0
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.fused: dict[str, torch.Tensor] = {}  # group key -> A of its members, stacked along r
-        self.member: dict[str, tuple[str, int]] = {}  # module -> (group key, index in the group)
+        self.fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (A, B) of all members
+        self.member: dict[str, tuple[str, int]] = {}  # module -> (group, index in the group)
         self.synced: set[int] = set()
         self.version = 0  # bumped when the stacks are reallocated (captured graphs become stale)
 
@@ -88,39 +148,31 @@ class LoraStacks:
             if expert:
                 raise ValueError(f"static decode has no expert LoRA (adapter {a.slot} adapts {expert[0]})")
         rank = max(a.config.rank for a in adapters)
-        names = set(self.stacks) | {n for a in adapters for n in a.weights}
-        if rank > self.rank or names != set(self.stacks):
-            self._allocate(max(rank, self.rank), names)
+        names = {n for a in adapters for n in a.weights}
+        names |= {n for g in self.shared if names & set(g) for n in g}
+        if rank > self.rank or not names <= set(self.stacks):
+            self._allocate(max(rank, self.rank), names | set(self.stacks))
         with torch.no_grad():
             for a in adapters:
                 self._copy(a)
 
-    def _shared_groups(self, names: set[str]) -> list[list[str]]:
-        """``names`` partitioned into groups that share an input (singletons for the rest)."""
-        groups: list[list[str]] = []
-        taken: set[str] = set()
-        for name in sorted(names):
-            prefix, _, leaf = name.rpartition(".")
-            for siblings in SHARED_INPUT:
-                if leaf == siblings[0]:
-                    members = [f"{prefix}.{m}" if prefix else m for m in siblings]
-                    members = [m for m in members if m in names]
-                    if len({self.shapes[m][0] for m in members}) == 1:
-                        groups.append(members)
-                        taken.update(members)
-        return groups + [[n] for n in sorted(names - taken)]
-
     def _allocate(self, rank: int, names: set[str]) -> None:
         self.rank = R = math.ceil(rank / RANK_MULTIPLE) * RANK_MULTIPLE
         self.stacks, self.fused, self.member = {}, {}, {}
-        for members in self._shared_groups(names):
+        grouped = [g for g in self.shared if set(g) <= names]
+        singles = sorted(names - {n for g in grouped for n in g})
+        for members in grouped + [[n] for n in singles]:
             i = self.shapes[members[0]][0]
+            outs = [self.shapes[n][1] for n in members]
             A_all = torch.zeros(self.groups, len(members) * R, i, dtype=self.dtype, device=self.device)
-            self.fused[members[0]] = A_all
+            B_all = torch.zeros(self.groups, sum(outs), len(members) * R, dtype=self.dtype, device=self.device)
+            self.fused[members[0]] = (A_all, B_all)
+            o = 0
             for j, name in enumerate(members):
-                B = torch.zeros(self.groups, self.shapes[name][1], R, dtype=self.dtype, device=self.device)
-                self.stacks[name] = (A_all[:, j * R : (j + 1) * R], B)
+                cols = slice(j * R, (j + 1) * R)
+                self.stacks[name] = (A_all[:, cols], B_all[:, o : o + outs[j], cols])
                 self.member[name] = (members[0], j)
+                o += outs[j]
         self.version += 1
         previous, self.synced = self.synced, set()
         with torch.no_grad():
@@ -147,23 +199,35 @@ class StaticRoute:
     counts the real rows: the padding after them joins the last group for the grouped products, but
     the Triton kernels skip it (and slot 0, whose factors are zeros), so an unused slot costs nothing.
 
-    The first module of a shared-input group to be called with an input computes the shrink of the
-    whole group (``h`` of every member, one launch); the others, called with the same tensor, take
-    their columns of it. On the Triton path the fp32 ``h`` of every group lives in one workspace,
-    zeroed once per step."""
+    Shared-input groups: the first member called with an input computes the whole group's output,
+    one base GEMM over the :class:`PackedLinears` weights plus one LoRA shrink and one expand over
+    the group's stacks, and every member (called with the same tensor) returns its columns of it.
+    Where the weights are not packed, the shrink is still shared and each member expands its own
+    block. On the Triton path the fp32 ``h`` of every group lives in one workspace, zeroed once per
+    step. ``lora=False``: base weights only (a batch without adapters)."""
 
-    def __init__(self, stacks: LoraStacks, offsets: torch.Tensor, n_rows: torch.Tensor | None = None):
+    def __init__(
+        self,
+        stacks: LoraStacks,
+        offsets: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        packed: PackedLinears | None = None,
+        lora: bool = True,
+    ):
         self.stacks = stacks
         self.offsets = offsets
         self.n_rows = n_rows
-        self._last: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, h of the group)
+        self.packed = packed
+        self.lora = lora
+        self._h: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, h of the group)
+        self._y: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, packed output)
         self._workspace: torch.Tensor | None = None
         self._used = 0
 
     def _zeros(self, n: int, cols: int, device: torch.device) -> torch.Tensor:
         """A zeroed fp32 ``[n, cols]`` block of the step's workspace (a fresh one once it is used up)."""
         if self._workspace is None:
-            total = sum(A.shape[1] for A in self.stacks.fused.values())
+            total = sum(A.shape[1] for A, _ in self.stacks.fused.values())
             self._workspace = torch.zeros(n * total, dtype=torch.float32, device=device)
         if self._used + n * cols > self._workspace.numel():
             return torch.zeros(n, cols, dtype=torch.float32, device=device)
@@ -171,43 +235,62 @@ class StaticRoute:
         self._used += n * cols
         return out
 
-    def _shrink(self, name: str, x: torch.Tensor, triton: bool) -> torch.Tensor:
-        """``x @ A.T`` of module ``name`` (``[N, r]``), computed with the rest of its group."""
-        key, j = self.stacks.member[name]
-        if self._last is None or self._last[0] != key or self._last[1] is not x:
-            A_all = self.stacks.fused[key]
+    def _triton(self, *tensors: torch.Tensor) -> bool:
+        return lora_decode.triton_ok(*tensors) and fused.use_triton(self.offsets)
+
+    def _group_h(self, key: str, x: torch.Tensor, triton: bool) -> torch.Tensor:
+        """``x @ A.T`` of every member of group ``key`` (``[N, members · r]``), once per input."""
+        if self._h is None or self._h[0] != key or self._h[1] is not x:
+            A_all = self.stacks.fused[key][0]
             x2 = x.reshape(-1, x.shape[-1])
             if triton:
                 out = self._zeros(x2.shape[0], A_all.shape[1], x.device)
                 h = lora_decode.lora_shrink(x2.contiguous(), A_all, self.offsets, self.n_rows, True, out=out)
             else:
                 h = grouped_linear(x2, A_all, self.offsets)
-            self._last = (key, x, h)
-        R = self.stacks.rank
-        return self._last[2][:, j * R : (j + 1) * R]
+            self._h = (key, x, h)
+        return self._h[2]
+
+    def _expand(self, y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, triton: bool) -> torch.Tensor:
+        if triton:
+            lora_decode.lora_expand_add(y, h, B, self.offsets, self.n_rows, True)
+            return y
+        return y + grouped_linear(h.contiguous(), B.contiguous(), self.offsets)
 
     def add_delta(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus module ``name``'s LoRA delta of ``x`` (in place on the Triton path)."""
-        st = self.stacks.stacks.get(name)
+        st = self.stacks.stacks.get(name) if self.lora else None
         if st is None:
             return y
         A, B = st
-        triton = lora_decode.triton_ok(y, x, A, B) and fused.use_triton(self.offsets) and y.is_contiguous()
-        h = self._shrink(name, x, triton)
-        if triton:
-            lora_decode.lora_expand_add(y.view(-1, y.shape[-1]), h, B, self.offsets, self.n_rows, True)
-            return y
-        return y + grouped_linear(h.contiguous(), B, self.offsets).view(y.shape)
+        key, j = self.stacks.member[name]
+        y2 = y.view(-1, y.shape[-1]) if y.dim() != 2 else y
+        triton = self._triton(y, x, A, B) and y2.stride(-1) == 1
+        R = self.stacks.rank
+        h = self._group_h(key, x, triton)[:, j * R : (j + 1) * R]
+        return self._expand(y2, h, B, triton).view(y.shape)
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
-        st = self.stacks.stacks.get(name)
+        st = self.stacks.stacks.get(name) if self.lora else None
         if st is None:
             return None
         y = torch.zeros(*x.shape[:-1], st[1].shape[1], dtype=x.dtype, device=x.device)
         return self.add_delta(name, x, y)
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.add_delta(name, x, F.linear(x, weight, bias))
+        rows = self.packed.rows(name, weight) if self.packed is not None and x.dim() == 2 else None
+        if rows is None:
+            return self.add_delta(name, x, F.linear(x, weight, bias))
+        key, start, end = rows
+        if self._y is None or self._y[0] != key or self._y[1] is not x:
+            W, b = self.packed.weights[key]
+            y = F.linear(x, W, b)
+            stacks = self.stacks.fused.get(key) if self.lora else None
+            if stacks is not None:
+                triton = self._triton(y, x, *stacks)
+                y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton)
+            self._y = (key, x, y)
+        return self._y[2][:, start:end]
 
     def expert_delta(self, *args, **kwargs):
         raise NotImplementedError("static decode has no expert LoRA; MoE models decode eagerly")
@@ -246,7 +329,9 @@ class StaticDecoder:
         self.max_positions = max_positions
         self.buckets = tuple(sorted(buckets))
         self.width = math.ceil(max_positions / cache.page_size)
-        self.stacks = LoraStacks(bank, next(model.parameters()).dtype)
+        self.packed = PackedLinears(model)
+        shared = [[m.lora_name for m in g] for g in shared_input_groups(model)]
+        self.stacks = LoraStacks(bank, next(model.parameters()).dtype, shared)
         self.use_graphs = use_graphs and cache.device.type == "cuda"
         self.rope_tables: dict = {}
         self._buffers: dict[int, _Buffers] = {}
@@ -340,7 +425,7 @@ class StaticDecoder:
             self._staged.record()
 
     def _forward(self, buf: _Buffers, use_lora: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        route = StaticRoute(self.stacks, buf.offsets, buf.n_rows) if use_lora else None
+        route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora)
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens),
@@ -351,7 +436,7 @@ class StaticDecoder:
         )
         hidden = self.model.hidden_states(buf.input_ids, ctx)
         logits = chunk_logits(hidden, self.model.unembed_weight, [], 0, hidden.shape[0])
-        if route is not None:
+        if use_lora:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
         # every row's plain draw and its logprob, in the graph (one kernel); the engine uses the rows
         # whose parameters are plain (see DecodeBatch.inv_temperature)

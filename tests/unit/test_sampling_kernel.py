@@ -58,6 +58,12 @@ SCRIPT = textwrap.dedent(
     assert tok[-1] == 7 and tok[-4] == 4321 and int(tok[-3]) < 100 and int(tok[-2]) < 100
     assert int(tok[4]) == 0  # inv_t 1, u -> 0: the first token (every token has mass)
 
+    # a wider vocabulary: chunks of several blocks (the scan walks blocks inside the chosen chunk)
+    z2 = torch.randn(8, 40000, generator=g) * 2
+    inv2 = torch.tensor([0.0, 1.0, 0.8, 1.3] * 2, dtype=torch.float64)
+    u2 = torch.tensor([0.1, 0.35, 0.5, 0.65, 0.9, 0.05, 0.99, 0.42], dtype=torch.float64)
+    assert ks.sample_rows(z2, inv2, u2)[0].tolist() == reference(z2, inv2, u2)[0].tolist()
+
     # a row's draw does not depend on the other rows of the batch
     alone = [ks.sample_rows(z[i : i + 1], inv_t[i : i + 1], u[i : i + 1])[0].item() for i in range(len(rows))]
     assert alone == tok.tolist()

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
-from ember.core.logprobs import chunk_logits
 from ember.core.layers.lora import LoraLinear
+from ember.core.logprobs import chunk_logits
 from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext

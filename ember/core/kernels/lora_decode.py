@@ -15,10 +15,12 @@ each group with rows, the delta is ``x[rows] @ A[g].T @ B[g].T``. Two launches:
   block ``B[g][o·BLOCK_O : (o+1)·BLOCK_O, :]`` once and loops over the group's row blocks, adding the
   delta to ``y`` in fp32 and rounding once to ``y``'s dtype (this fuses the ``y + delta`` add).
 
-Groups are spread over ``GROUP_PROGRAMS`` programs per split (program ``j`` walks groups ``j``,
-``j + GROUP_PROGRAMS``, ...), so the launch size does not grow with the number of configured slots;
-a group without rows costs its walker two scalar loads and nothing else (measured on the H200: with
-one program per group, a bank of 32 slots made the decode step 6 % slower than a bank of 1). Groups known to be zero (slot 0, with
+The groups with rows are listed first (:func:`active_groups`, device ops computed once per step)
+and spread over ``GROUP_PROGRAMS`` programs per split (program ``j`` takes active groups ``j``,
+``j + GROUP_PROGRAMS``, ...), so neither the launch size nor the work grows with the number of
+configured slots (measured on the H200: with one program per group, a bank of 32 slots made the
+decode step 6 % slower than a bank of 1; walking every group from each program, 6-10 % once the
+shared-input groups made the launches wider). Groups known to be zero (slot 0, with
 ``skip_first``) and padding rows (from ``n_rows[0]`` on, an int32 device scalar) are skipped too.
 Launch grids and block sizes depend only on tensor shapes, never on the contents of ``offsets``
 (nothing is read back on the host), so both kernels can be captured in a CUDA graph. ``h`` is kept
@@ -57,10 +59,10 @@ if fused.HAVE_TRITON:
 
     @triton.jit
     def _lora_shrink_kernel(
-        X, A, H, OFFS, ROWS,
+        X, A, H, OFFS, ROWS, ACTIVE, N_ACTIVE,
         stride_xm, stride_ag, stride_ar, stride_hm,
-        K, R, G,
-        FIRST: tl.constexpr, HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
+        K, R,
+        HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
     ):
         s = tl.program_id(1)
@@ -68,9 +70,10 @@ if fused.HAVE_TRITON:
         k = s * BLOCK_K + tl.arange(0, BLOCK_K)
         rmask = r < R
         kmask = k < K
-        # program (j, s) serves groups FIRST + j, FIRST + j + GSTRIDE, ...: an empty group costs two
-        # scalar loads, not a program, so configured but unused slots stay (nearly) free
-        for g in range(FIRST + tl.program_id(0), G, GSTRIDE):
+        # program (j, s) serves the active groups j, j + GSTRIDE, ... of the list: configured but
+        # unused slots cost nothing
+        for i in range(tl.program_id(0), tl.load(N_ACTIVE), GSTRIDE):
+            g = tl.load(ACTIVE + i)
             start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
             if end > start:
                 # this program's slice of A[g], loaded once: [R_PAD, BLOCK_K]
@@ -88,10 +91,10 @@ if fused.HAVE_TRITON:
 
     @triton.jit
     def _lora_expand_kernel(
-        H, B, Y, OFFS, ROWS,
+        H, B, Y, OFFS, ROWS, ACTIVE, N_ACTIVE,
         stride_hm, stride_bg, stride_bo, stride_ym,
-        N_OUT, R, G,
-        FIRST: tl.constexpr, HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
+        N_OUT, R,
+        HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
     ):
         ob = tl.program_id(1)
@@ -99,7 +102,8 @@ if fused.HAVE_TRITON:
         o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         rmask = r < R
         omask = o < N_OUT
-        for g in range(FIRST + tl.program_id(0), G, GSTRIDE):  # as in the shrink kernel
+        for i in range(tl.program_id(0), tl.load(N_ACTIVE), GSTRIDE):  # as in the shrink kernel
+            g = tl.load(ACTIVE + i)
             start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
             if end > start:
                 # this program's block of B[g], loaded once: [BLOCK_O, R_PAD]
@@ -145,6 +149,21 @@ def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
         raise ValueError("lora decode kernels need unit stride along the last dimension")
 
 
+def active_groups(
+    offsets: torch.Tensor, n_rows: torch.Tensor | None = None, skip_first: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups with rows, in order, first in an int32 ``[G]`` list (the rest after them), and
+    their count (int32 ``[1]``): what the kernels walk. Device ops only (no host read), so a CUDA
+    graph can capture them; compute once per step and pass to every call."""
+    ends = offsets if n_rows is None else torch.minimum(offsets, n_rows)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    has = ends > starts
+    if skip_first:
+        has[0] = False
+    order = torch.sort((~has).to(torch.uint8), stable=True).indices.to(torch.int32)
+    return order, has.sum(dtype=torch.int32).reshape(1)
+
+
 def lora_shrink(
     x: torch.Tensor,
     A: torch.Tensor,
@@ -152,11 +171,13 @@ def lora_shrink(
     n_rows: torch.Tensor | None = None,
     skip_first: bool = False,
     out: torch.Tensor | None = None,
+    active: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``h[rows of g] = x[rows of g] @ A[g].T`` in fp32 (``x`` ``[N, in]``, ``A`` ``[G, r, in]``) ->
     ``[N, r]``. Rows of no group, rows from ``n_rows[0]`` on (an int32 device scalar, optional) and,
     with ``skip_first``, rows of group 0 (whose factors must then be zeros) are left at zero.
-    ``out``: a zeroed fp32 ``[N, r]`` tensor (unit stride along r) to accumulate into."""
+    ``out``: a zeroed fp32 ``[N, r]`` tensor (unit stride along r) to accumulate into. ``active``:
+    :func:`active_groups` of these arguments (computed here when not given)."""
     _check(x, A, offsets)
     N, K = x.shape
     G, R, _ = A.shape
@@ -175,11 +196,12 @@ def lora_shrink(
     block_m = _rows_block(N, r_pad)
     gstride = min(G - first, GROUP_PROGRAMS)
     grid = (gstride, triton.cdiv(K, block_k))
+    ids, count = active if active is not None else active_groups(offsets, n_rows, skip_first)
     _lora_shrink_kernel[grid](
-        x, A, h, offsets, n_rows if n_rows is not None else offsets,
+        x, A, h, offsets, n_rows if n_rows is not None else offsets, ids, count,
         x.stride(0), A.stride(0), A.stride(1), h.stride(0),
-        K, R, G,
-        FIRST=first, HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
+        K, R,
+        HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
         BLOCK_M=block_m, BLOCK_K=block_k, R_PAD=r_pad, PREC=_prec(A), num_warps=4,
     )
     return h
@@ -192,6 +214,7 @@ def lora_expand_add(
     offsets: torch.Tensor,
     n_rows: torch.Tensor | None = None,
     skip_first: bool = False,
+    active: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``y[rows of g] += h[rows of g] @ B[g].T`` in place (``h`` ``[N, r]``, ``B`` ``[G, out, r]``,
     ``y`` ``[N, out]`` of any float dtype: the sum is formed in fp32 and rounded once); rows skipped
@@ -211,11 +234,12 @@ def lora_expand_add(
     block_m = max(16, min(block_m, _TILE // block_o))  # the [BLOCK_M, BLOCK_O] delta tile
     gstride = min(G - first, GROUP_PROGRAMS)
     grid = (gstride, triton.cdiv(n_out, block_o))
+    ids, count = active if active is not None else active_groups(offsets, n_rows, skip_first)
     _lora_expand_kernel[grid](
-        h, B, y, offsets, n_rows if n_rows is not None else offsets,
+        h, B, y, offsets, n_rows if n_rows is not None else offsets, ids, count,
         h.stride(0), B.stride(0), B.stride(1), y.stride(0),
-        n_out, R, G,
-        FIRST=first, HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
+        n_out, R,
+        HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
         BLOCK_M=block_m, BLOCK_O=block_o, R_PAD=r_pad, PREC=_prec(B), num_warps=4,
     )
     return y

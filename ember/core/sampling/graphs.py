@@ -223,6 +223,14 @@ class StaticRoute:
         self._y: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, packed output)
         self._workspace: torch.Tensor | None = None
         self._used = 0
+        self._active: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def active(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots with rows this step (:func:`~ember.core.kernels.lora_decode.active_groups`)."""
+        if self._active is None:
+            self._active = lora_decode.active_groups(self.offsets, self.n_rows, skip_first=True)
+        return self._active
 
     def _zeros(self, n: int, cols: int, device: torch.device) -> torch.Tensor:
         """A zeroed fp32 ``[n, cols]`` block of the step's workspace (a fresh one once it is used up)."""
@@ -245,7 +253,9 @@ class StaticRoute:
             x2 = x.reshape(-1, x.shape[-1])
             if triton:
                 out = self._zeros(x2.shape[0], A_all.shape[1], x.device)
-                h = lora_decode.lora_shrink(x2.contiguous(), A_all, self.offsets, self.n_rows, True, out=out)
+                h = lora_decode.lora_shrink(
+                    x2.contiguous(), A_all, self.offsets, self.n_rows, True, out=out, active=self.active
+                )
             else:
                 h = grouped_linear(x2, A_all, self.offsets)
             self._h = (key, x, h)
@@ -253,7 +263,7 @@ class StaticRoute:
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, triton: bool) -> torch.Tensor:
         if triton:
-            lora_decode.lora_expand_add(y, h, B, self.offsets, self.n_rows, True)
+            lora_decode.lora_expand_add(y, h, B, self.offsets, self.n_rows, True, active=self.active)
             return y
         return y + grouped_linear(h.contiguous(), B.contiguous(), self.offsets)
 

@@ -152,16 +152,20 @@ def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
 def active_groups(
     offsets: torch.Tensor, n_rows: torch.Tensor | None = None, skip_first: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The groups with rows, in order, first in an int32 ``[G]`` list (the rest after them), and
-    their count (int32 ``[1]``): what the kernels walk. Device ops only (no host read), so a CUDA
-    graph can capture them; compute once per step and pass to every call."""
+    """The groups with rows, in order, first in an int32 ``[G]`` list (entries after them are
+    unused), and their count (int32 ``[1]``): what the kernels walk. Device ops only (no host read,
+    no sort), so a CUDA graph can capture them; compute once per step and pass to every call."""
     ends = offsets if n_rows is None else torch.minimum(offsets, n_rows)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     has = ends > starts
     if skip_first:
-        has[0] = False
-    order = torch.sort((~has).to(torch.uint8), stable=True).indices.to(torch.int32)
-    return order, has.sum(dtype=torch.int32).reshape(1)
+        has[:1].fill_(False)  # a kernel, not a host-to-device copy (graph capture)
+    # the i-th active group is the first position where the running count of active groups
+    # reaches i + 1 (searchsorted: no sort, no host sync, so CUDA graphs capture it)
+    count = torch.cumsum(has.to(torch.int32), 0, dtype=torch.int32)
+    want = torch.arange(1, has.shape[0] + 1, dtype=torch.int32, device=offsets.device)
+    order = torch.searchsorted(count, want, out_int32=True).clamp_max(has.shape[0] - 1)
+    return order, count[-1:]
 
 
 def lora_shrink(

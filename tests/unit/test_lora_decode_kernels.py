@@ -149,6 +149,8 @@ SCRIPT = textwrap.dedent(
     mlp.up_proj.weight.data.copy_(W[:200])
     packed = PackedLinears(types.SimpleNamespace(modules=lambda: [mlp]))
     assert packed.weights["q"][0].shape == (500, 128) and mlp.up_proj.weight.equal(W[:200])
+    again = PackedLinears(types.SimpleNamespace(modules=lambda: [mlp]))  # a second decoder: no copy
+    assert again.weights["q"][0].data_ptr() == packed.weights["q"][0].data_ptr()
     shrinks.clear()
     route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32), packed)
     q = route.linear("q", xf, mlp.gate_proj.weight, None)

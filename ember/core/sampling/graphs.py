@@ -91,8 +91,8 @@ class PackedLinears:
                 if len({(w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
                     continue
                 key = members[0].lora_name
-                W = torch.cat([w.data for w in ws])
-                b = torch.cat([x.data for x in biases]) if biases[0] is not None else None
+                W = _packed_or_cat(ws)
+                b = _packed_or_cat(biases) if biases[0] is not None else None
                 start = 0
                 for m in members:
                     end = start + m.out_features
@@ -113,6 +113,27 @@ class PackedLinears:
         if weight.data_ptr() != W[entry[1] :].data_ptr() or weight.shape[0] != entry[2] - entry[1]:
             return None
         return entry
+
+
+def _packed_or_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` concatenated along rows; the tensor they are views of if packed already (no copy)."""
+    base = _packed_base(parts)
+    return base if base is not None else torch.cat([p.data for p in parts])
+
+
+def _packed_base(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose storage ``parts`` fill exactly, as consecutive row blocks in order (an earlier
+    packing), else None."""
+    storage = parts[0].untyped_storage()
+    ptr = storage.data_ptr()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage.data_ptr() or p.data_ptr() != ptr or not p.is_contiguous():
+            return None
+        ptr += p.numel() * p.element_size()
+    if ptr != storage.data_ptr() + storage.nbytes():
+        return None
+    rows = sum(p.shape[0] for p in parts)
+    return torch.empty(0, dtype=parts[0].dtype, device=parts[0].device).set_(storage, 0, (rows, *parts[0].shape[1:]))
 
 
 class LoraStacks:

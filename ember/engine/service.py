@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,7 +28,7 @@ import torch
 
 from ember.core.adapters import AdapterBankFull, LoraConfig
 from ember.core.optim import AdamParams
-from ember.doorbell import Doorbell, ring_ids
+from ember.doorbell import RESULT_KEY_SETTING, Doorbell, ring_results
 from ember.engine import scheduler
 from ember.engine.worker import Worker
 from ember.jsonlog import setup_logging
@@ -92,37 +93,45 @@ class EngineService:
         self._detokenize = None
         self._last_beat = 0.0
         self._listeners: tuple[float, list[int]] = (-1e9, [])  # (read at, ports) of result listeners
+        # HMAC key of the result datagrams (ember.doorbell.result_datagrams), shared through the store
+        self._result_key = bytes.fromhex(store.setting(RESULT_KEY_SETTING, lambda: secrets.token_hex(32)))
 
     # -- main loop --------------------------------------------------------------------------------
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Poll and execute until ``should_stop()``; idle polling backs off to ``max_idle_poll_s``."""
+        """Poll and execute until ``should_stop()``. Without a doorbell, idle polling backs off
+        from 1 ms to ``max_idle_poll_s``; with one, the API rings it after every submit, so an
+        idle engine polls only every ``max_idle_poll_s`` (for submits nobody rang about) and spends
+        no CPU on empty reads meanwhile (on a small machine, CPU the API process needs)."""
         self.store.engine_ready(self.base_model)
         log.info("engine ready", extra={"base_model": self.base_model, "pid": os.getpid()})
-        idle = 0.001
+        idle = self.max_idle_poll_s if self.doorbell is not None else 0.001
         while not should_stop():
             if self.step():
-                idle = 0.001
+                if self.doorbell is None:
+                    idle = 0.001
                 continue
             now = time.monotonic()
             if now - self._last_beat > 2.0:
                 self.store.engine_progress(self.base_model, 0, 0, 0.0)
                 self._last_beat = now
-            if self.doorbell is not None and self.doorbell.wait(idle):
-                idle = 0.001
+            if self.doorbell is not None:
+                self.doorbell.wait(idle)
             else:
-                if self.doorbell is None:
-                    time.sleep(idle)
+                time.sleep(idle)
                 idle = min(self.max_idle_poll_s, idle * 1.5)
 
     def step(self) -> bool:
-        """Plan and run one batch of work; returns whether there was any."""
-        pending, cursors = self.store.pending_with_cursors(self.base_model)
-        if not pending:
-            return False
-        work = scheduler.plan(
-            pending, cursors, utcnow(), self.token_budget, self.sample_budget, self.gap_timeout_s
-        )
+        """Plan and run one batch of work; returns whether there was any. Reading the queue,
+        planning and claiming what the plan runs is one store transaction (``Store.take``)."""
+
+        def choose(pending, cursors):
+            work = scheduler.plan(
+                pending, cursors, utcnow(), self.token_budget, self.sample_budget, self.gap_timeout_s
+            )
+            return work, [f.id for f in work.ops + work.passes + work.samples]
+
+        work, payloads = self.store.take(self.base_model, choose)
         if not work:
             return False
         if work.dead or work.skip:
@@ -135,7 +144,6 @@ class EngineService:
         todo = work.ops + work.passes + work.samples
         if not todo:
             return bool(work.dead or work.skip)
-        payloads = self.store.claim([f.id for f in todo])
         # Creations first, so models created in this tick exist for the rest of it.
         for f in sorted(work.ops, key=lambda f: f.op not in ("create_model", "load_model")):
             self._run_op(f, payloads.get(f.id))
@@ -145,15 +153,17 @@ class EngineService:
             self._run_samples(work.samples, payloads)
         return True
 
-    def _finish(self, outcomes: list[Outcome], **kwargs) -> None:
-        """``Store.finish``, then a datagram to every API process on this host that registered a
-        result doorbell (``result_listeners``), so its long-polls answer at once. The store is
-        the record; a lost datagram only means the API finds the result at its next poll."""
-        self.store.finish(outcomes, **kwargs)
+    def _finish(self, outcomes: list[Outcome], **kwargs) -> list[tuple[PendingFuture, bytes | None]]:
+        """``Store.finish`` (returning what it claimed with ``claim_next``), then a datagram to
+        every API process on this host that registered a result doorbell (``result_listeners``)
+        with the committed outcomes (``ember.doorbell.ring_results``), so its long-polls answer at
+        once without reading them back. The store is the record; a lost datagram only means the
+        API finds the result at its next poll."""
+        claimed = self.store.finish(outcomes, **kwargs)
         if outcomes:
-            ids = [o[0] for o in outcomes]
             for port in self._listener_ports():
-                ring_ids(port, ids)
+                ring_results(port, self._result_key, outcomes)
+        return claimed
 
     def _listener_ports(self) -> list[int]:
         now = time.monotonic()
@@ -202,13 +212,19 @@ class EngineService:
         for f in futures:
             advance[f.model_id] = max(advance.get(f.model_id, 0), f.seq_id + 1)  # type: ignore[index, operator]
         tokens = sum(f.n_tokens for f in futures)
-        self._finish(outcomes, advance=advance, progress=(self.base_model, 1, tokens, seconds))
+        # The finish also claims each model's next request when it is an op (the optim_step the
+        # SDK sends right after a forward_backward, usually queued while the pass ran): it runs
+        # now, not after another tick's reads and claim.
+        follow = self._finish(outcomes, advance=advance, progress=(self.base_model, 1, tokens, seconds),
+                              claim_next=True)
         self._last_beat = time.monotonic()
         log.info(
             "packed pass",
             extra={"requests": len(futures), "models": len({f.model_id for f in futures}), "tokens": tokens,
                    "seconds": round(seconds, 4)},
         )
+        for f, payload in follow:
+            self._run_op(f, payload)
 
     # -- sampling -----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +26,7 @@ from ember.server.config import ServerConfig
 from ember.server.waiter import FutureWaiter
 from ember.storage import Storage
 from ember.store import Store
+from ember.store.models import TrainingModel
 
 log = logging.getLogger("ember.server")
 
@@ -41,6 +42,25 @@ class EmberState:
     waiter: FutureWaiter
     secret: str
     _doorbells: tuple[float, dict[str, int | None]] = (0.0, {})
+    # models seen live, by id (see ``routes.common.hot_model``)
+    models: dict[str, TrainingModel] = field(default_factory=dict)
+    # requests this process just queued: id -> (owner, reply, monotonic time) (see ``remember``)
+    submitted: dict[str, tuple[str, dict, float]] = field(default_factory=dict)
+
+    def remember(self, request_id: str, owner: str, reply: dict) -> None:
+        """Note a request queued by a hot route, so that its ``retrieve_future`` needs no store read
+        while it is pending, nor after an engine's datagram brought its outcome (``recent_s``)."""
+        if len(self.submitted) >= 8192:  # oldest first (insertion order)
+            for rid in list(self.submitted)[:1024]:
+                self.submitted.pop(rid, None)
+        self.submitted[request_id] = (owner, reply, time.monotonic())
+
+    def recent_submit(self, request_id: str, owner: str, recent_s: float = 60.0) -> dict | None:
+        """The reply of ``owner``'s request queued here less than ``recent_s`` ago, else None."""
+        hit = self.submitted.get(request_id)
+        if hit is None or hit[0] != owner or time.monotonic() - hit[2] > recent_s:
+            return None
+        return hit[1]
 
     def ring(self, base_model: str) -> None:
         """Wake the engine of ``base_model`` if it runs on this host (``ember.doorbell``)."""

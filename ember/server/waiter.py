@@ -5,7 +5,9 @@ query per round, however many waiters) and wakes those whose request has finishe
 when an engine on this host says it finished something (a UDP datagram on the waiter's result
 doorbell, registered in the store as a ``result_listeners`` row; see :mod:`ember.doorbell`), and
 at the latest every ``interval_s`` (engines on other hosts, a lost datagram). The store stays the
-only source of truth: a notification only says "look now".
+only source of truth: a datagram with ids only says "look now"; one that carries the committed
+outcomes (authenticated with the key in the store) hands them to their waiters, which answer
+without reading the row back.
 """
 
 from __future__ import annotations
@@ -15,11 +17,17 @@ import logging
 import os
 import secrets
 import socket
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
+from ember.doorbell import RESULT_KEY_SETTING, Outcome, parse_results
 from ember.store import Store
 
 log = logging.getLogger("ember.server")
+RECENT_OUTCOMES = 1024  # outcomes kept from result datagrams (each at most MAX_RESULT_DATAGRAM bytes)
+
+
+def _new_key() -> str:
+    return secrets.token_hex(32)
 
 
 class _Bell(asyncio.DatagramProtocol):
@@ -31,7 +39,9 @@ class _Bell(asyncio.DatagramProtocol):
 
 
 class FutureWaiter:
-    """``await wait(request_id, timeout)`` returns True once the request is done or failed."""
+    """``await wait(request_id, timeout)`` returns once the request is done or failed: its
+    :class:`~ember.doorbell.Outcome` when an engine's datagram carried it, else True (read the
+    store); False on timeout."""
 
     def __init__(self, store: Store, interval_s: float = 0.025, notify: bool = True):
         self.store = store
@@ -45,6 +55,9 @@ class FutureWaiter:
         self._transport: asyncio.DatagramTransport | None = None
         self.rings = 0  # notifications received so far (see ``mark``)
         self._started = False
+        self._key: bytes | None = None  # HMAC key of result datagrams (None: ids only)
+        # the last outcomes datagrams brought, waited for or not (``recent``)
+        self._recent: OrderedDict[str, Outcome | bool] = OrderedDict()
 
     async def start(self) -> None:
         """Open the result doorbell and register it (idempotent; a failure leaves plain polling)."""
@@ -58,6 +71,7 @@ class FutureWaiter:
                 lambda: _Bell(self), local_addr=("127.0.0.1", 0)
             )
             self.port = self._transport.get_extra_info("sockname")[1]
+            self._key = bytes.fromhex(await asyncio.to_thread(self.store.setting, RESULT_KEY_SETTING, _new_key))
             await self.refresh()
         except Exception:  # notifications are an optimisation; polling still works
             log.exception("result doorbell unavailable; falling back to polling")
@@ -80,39 +94,53 @@ class FutureWaiter:
                 log.warning("could not unregister the result doorbell", exc_info=True)
 
     def notified(self, data: bytes) -> None:
-        """A datagram from an engine: newline-separated ids of requests that finished. Their waiters
-        wake at once (callers re-read the store, which stays the record: a stray datagram only costs
-        them a read); anything else starts a store read for every waiter."""
+        """A datagram from an engine: the committed outcomes of requests (``result_datagrams``),
+        which go to their waiters, or newline-separated ids of requests that finished, whose
+        waiters wake at once (callers re-read the store, which stays the record: a stray datagram
+        only costs them a read); anything else starts a store read for every waiter."""
         self.rings += 1
-        try:
-            ids = data.decode().split("\n")
-        except UnicodeDecodeError:
-            ids = []
+        outcomes = parse_results(self._key, data)
+        if outcomes is not None:
+            found: dict[str, Outcome | bool] = dict(outcomes)
+        else:
+            try:
+                found = dict.fromkeys(data.decode().split("\n"), True)
+            except UnicodeDecodeError:
+                found = {}
+        self._recent.update(found)
+        while len(self._recent) > RECENT_OUTCOMES:
+            self._recent.popitem(last=False)
         woken = False
-        for rid in ids:
+        for rid, outcome in found.items():
             for fut in self._waiters.pop(rid, []):
                 woken = True
                 if not fut.done():
-                    fut.set_result(True)
+                    fut.set_result(outcome)
         if not woken and self._rung is not None:
             self._rung.set()
+
+    def recent(self, request_id: str) -> Outcome | bool:
+        """What the last ``RECENT_OUTCOMES`` ids of result datagrams said about ``request_id``: its
+        outcome (a copy of what its engine committed), True (it finished: read the store) or
+        False (nothing)."""
+        return self._recent.get(request_id, False)
 
     def mark(self) -> int:
         """Take before reading a future's state; pass to ``wait`` so that a notification that
         arrived in between (and found no waiter for it) is not missed."""
         return self.rings
 
-    async def wait(self, request_id: str, timeout_s: float, since: int | None = None) -> bool:
+    async def wait(self, request_id: str, timeout_s: float, since: int | None = None) -> Outcome | bool:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._waiters[request_id].append(fut)
+        stale = since is None or since != self.rings  # something finished since the caller looked (or we cannot tell)
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._poll())
-        elif self._rung is not None and (since is None or since != self.rings):
-            self._rung.set()  # something finished since the caller looked (or we cannot tell): read now
+            self._task = asyncio.create_task(self._poll(read_first=stale))
+        elif self._rung is not None and stale:
+            self._rung.set()  # read now
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-            return True
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except TimeoutError:
             return False
         finally:
@@ -123,9 +151,17 @@ class FutureWaiter:
                 if not waiting:
                     del self._waiters[request_id]
 
-    async def _poll(self) -> None:
+    async def _poll(self, read_first: bool = True) -> None:
+        """Read the store for the waited-on ids whenever rung, at the latest every ``interval_s``.
+        ``read_first=False``: the waiter's caller has just read its row and nothing finished since,
+        so the first read waits for a ring (or the interval) too."""
         await self.start()
         rung = self._rung
+        if not read_first and rung is not None:
+            try:
+                await asyncio.wait_for(rung.wait(), self.interval_s)
+            except TimeoutError:
+                pass
         while self._waiters:
             if rung is not None:
                 rung.clear()  # before the read: a notification arriving during it starts another round

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import sessionmaker
@@ -36,6 +37,7 @@ from ember.store.models import (
 )
 
 KEY_PREFIX = "tml-"
+T = TypeVar("T")
 NO_AUTH_OWNER = "local"
 
 
@@ -54,6 +56,16 @@ class Conflict(ValueError):
 
 class Gone(ValueError):
     """The object existed but has ended (finished session, unloaded or lost model): HTTP 410."""
+
+
+class NotLive(ValueError):
+    """``Store.submit(live=True)``: the model cannot take requests. ``kind``: ``missing`` (no such
+    model for this owner: 404), ``gone`` (its session or the model ended: 410) or ``failed`` (its
+    creation failed: 400)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,78 @@ class ModelCursor:
 # the columns of a PendingFuture, in its field order (the engine's queue reads)
 _PENDING_COLUMNS = (Future.id, Future.op, Future.model_id, Future.sampler_id, Future.seq_id, Future.n_tokens,
                     Future.created_at)
+
+# Prebuilt statements of the hot paths (a submit, an engine tick): Core statements on the tables,
+# compiled once and cached, instead of ORM units of work.
+_FUTURES = Future.__table__
+_MODELS = TrainingModel.__table__
+_MODEL_STATE = (
+    select(TrainingModel.next_seq, TrainingModel.status, TrainingModel.status_detail, TrainingModel.owner,
+           Session.id.label("session_id"), Session.status.label("session_status"), Session.end_reason)
+    .outerjoin(Session, Session.id == TrainingModel.session_id)
+    .where(TrainingModel.id == bindparam("mid"))
+)
+_PENDING_WITH_CURSORS = (
+    select(*_PENDING_COLUMNS, TrainingModel.next_seq, TrainingModel.status)
+    .outerjoin(TrainingModel, TrainingModel.id == Future.model_id)
+    .where(Future.base_model == bindparam("base_model"), Future.state == "pending")
+    .order_by(Future.created_at, Future.id)
+    .limit(bindparam("limit"))
+)
+_TOUCH_MODEL = update(_MODELS).where(_MODELS.c.id == bindparam("mid")).values(last_request_time=bindparam("now"))
+_INSERT_FUTURE = insert(_FUTURES)
+_FINISH_DONE = (
+    update(_FUTURES).where(_FUTURES.c.id == bindparam("fid"))
+    .values(state="done", result=bindparam("result"), finished_at=bindparam("now"), payload=None)
+)
+_FINISH_FAILED = (
+    update(_FUTURES).where(_FUTURES.c.id == bindparam("fid"))
+    .values(state="failed", error=bindparam("error"), category=bindparam("category"), finished_at=bindparam("now"),
+            payload=None)
+)
+_ADVANCE = (
+    update(_MODELS).where(_MODELS.c.id == bindparam("mid"), _MODELS.c.next_seq < bindparam("nxt"))
+    .values(next_seq=bindparam("nxt"))
+)
+
+_CLAIM_NEXT = (  # a model's next request if it is an op and the model is active (``finish(claim_next=True)``)
+    update(_FUTURES)
+    .where(
+        _FUTURES.c.model_id == bindparam("mid"),
+        _FUTURES.c.seq_id == bindparam("nxt"),
+        _FUTURES.c.state == "pending",
+        _FUTURES.c.op != "forward_backward",
+        _FUTURES.c.model_id.in_(select(_MODELS.c.id).where(_MODELS.c.id == bindparam("mid"), _MODELS.c.status == "active")),
+    )
+    .values(state="running", started_at=bindparam("now"))
+    .returning(*(_FUTURES.c[c.key] for c in _PENDING_COLUMNS), _FUTURES.c.payload)
+)
+
+_ENGINES = EngineRecord.__table__
+_HEARTBEAT = update(_ENGINES).where(_ENGINES.c.base_model == bindparam("bm")).values(heartbeat_at=bindparam("now"))
+_PROGRESS = _HEARTBEAT.values(
+    passes=_ENGINES.c.passes + bindparam("passes"),
+    tokens=_ENGINES.c.tokens + bindparam("tokens"),
+    busy_seconds=_ENGINES.c.busy_seconds + bindparam("seconds"),
+    last_pass_seconds=bindparam("seconds"),
+    last_pass_tokens=bindparam("tokens"),
+)
+
+
+def _check_live(model_id: str, owner: str, m) -> None:
+    """``NotLive`` unless the row of ``_MODEL_STATE`` says the owner's model can take requests
+    (the same rules and messages as the API's ``live_model``)."""
+    if m is None or m.owner != owner or m.session_id is None:
+        raise NotLive("missing", f"model {model_id!r} not found")
+    if m.session_status != "active":
+        raise NotLive(
+            "gone",
+            f"session {m.session_id!r} is {m.session_status} ({m.end_reason}); start a new ServiceClient",
+        )
+    if m.status in ("lost", "unloaded"):
+        raise NotLive("gone", f"model {model_id} is {m.status}: {m.status_detail}")
+    if m.status == "failed":
+        raise NotLive("failed", f"model {model_id} could not be created: {m.status_detail}")
 
 
 class Store:
@@ -388,45 +472,47 @@ class Store:
         checkpoint: Checkpoint | None = None,
         overwrite: bool = False,
         reply: dict | None = None,
+        live: bool = False,
     ) -> str:
         """Queue a request and return its request id; a resubmission of ``(model, seq_id)`` or
         ``(sampler, seq_id)`` returns the original id. ``rejected`` records a request that failed
         validation: it still takes its seq_id, so the model's later requests are not held up.
         ``checkpoint`` is registered (pending) in the same transaction, refusing a name clash
-        unless ``overwrite``."""
+        unless ``overwrite``. ``live``: first check, in the same transaction, that ``owner``'s
+        model can take requests (its session is active, the model neither ended nor failed), else
+        raise :class:`NotLive` (the API's hot routes: one transaction per submit)."""
         keyed = seq_id is not None and (model_id is not None or sampler_id is not None)
         try:
             with self.write() as s:
+                m = s.execute(_MODEL_STATE, {"mid": model_id}).first() if model_id is not None else None
+                if live and model_id is not None:
+                    _check_live(model_id, owner, m)
                 if keyed:  # a resubmission: answer the original request (checked inside the lock)
                     fid = s.scalar(self._keyed_query(model_id, sampler_id, seq_id))  # type: ignore[arg-type]
                     if fid is not None:
                         return fid
-                if model_id is not None:
-                    m = s.get(TrainingModel, model_id)
-                    if m is not None:
-                        if seq_id is not None and seq_id < m.next_seq:
-                            raise Conflict(
-                                f"seq_id {seq_id} of model {model_id} was already executed (next is {m.next_seq})"
-                            )
-                        m.last_request_time = utcnow()
+                if m is not None:
+                    if seq_id is not None and seq_id < m.next_seq:
+                        raise Conflict(f"seq_id {seq_id} of model {model_id} was already executed (next is {m.next_seq})")
+                    s.execute(_TOUCH_MODEL, {"mid": model_id, "now": utcnow()})
                 if checkpoint is not None and rejected is None:
                     self._register_checkpoint(s, checkpoint, overwrite)
-                state = "failed" if rejected else "pending"
-                return self._new_future(
-                    s,
-                    owner,
-                    base_model,
-                    op,
-                    None if rejected else payload,
-                    model_id=model_id,
-                    sampler_id=sampler_id,
-                    seq_id=seq_id,
-                    n_tokens=n_tokens,
-                    state=state,
-                    error=rejected,
-                    reply=reply,
+                fid = str(uuid.uuid4())
+                failed = rejected is not None
+                now = utcnow()
+                s.execute(
+                    _INSERT_FUTURE,
+                    {
+                        "id": fid, "owner": owner, "base_model": base_model, "op": op, "model_id": model_id,
+                        "sampler_id": sampler_id, "seq_id": seq_id, "n_tokens": n_tokens,
+                        "state": "failed" if failed else "pending", "payload": None if failed else payload,
+                        "reply": reply, "error": rejected, "category": "user" if failed else None,
+                        "created_at": now, "finished_at": now if failed else None,
+                    },
                 )
+                return fid
         except IntegrityError:
+            # a concurrent or repeated submission of the same (model or sampler, seq_id)
             if keyed:
                 fid = self._existing(model_id, sampler_id, seq_id)  # type: ignore[arg-type]
                 if fid is not None:
@@ -475,26 +561,38 @@ class Store:
     def pending_with_cursors(
         self, base_model: str, limit: int = 10_000
     ) -> tuple[list[PendingFuture], dict[str, ModelCursor]]:
-        """``pending`` and the ``cursors`` of their models, in one query (the engine's per-tick read)."""
+        """``pending`` and the ``cursors`` of their models, in one query."""
         with self.read() as s:
-            q = (
-                select(
-                    *_PENDING_COLUMNS,
-                    TrainingModel.next_seq,
-                    TrainingModel.status,
-                )
-                .outerjoin(TrainingModel, TrainingModel.id == Future.model_id)
-                .where(Future.base_model == base_model, Future.state == "pending")
-                .order_by(Future.created_at, Future.id)
-                .limit(limit)
-            )
-            pending, cursors = [], {}
-            for *row, next_seq, status in s.execute(q):
-                f = PendingFuture(*row)
-                pending.append(f)
-                if f.model_id is not None and next_seq is not None:
-                    cursors[f.model_id] = ModelCursor(next_seq, status)
-            return pending, cursors
+            return self._pending_with_cursors(s, base_model, limit)
+
+    @staticmethod
+    def _pending_with_cursors(
+        s: OrmSession, base_model: str, limit: int
+    ) -> tuple[list[PendingFuture], dict[str, ModelCursor]]:
+        pending, cursors = [], {}
+        for *row, next_seq, status in s.execute(_PENDING_WITH_CURSORS, {"base_model": base_model, "limit": limit}):
+            f = PendingFuture(*row)
+            pending.append(f)
+            if f.model_id is not None and next_seq is not None:
+                cursors[f.model_id] = ModelCursor(next_seq, status)
+        return pending, cursors
+
+    def take(
+        self,
+        base_model: str,
+        choose: Callable[[list[PendingFuture], dict[str, ModelCursor]], tuple[T, Sequence[str]]],
+        limit: int = 10_000,
+    ) -> tuple[T | None, dict[str, bytes | None]]:
+        """The engine's tick in one transaction: read the queued requests of ``base_model`` with
+        their models' cursors (``pending_with_cursors``), let ``choose(pending, cursors)`` pick
+        ``(plan, ids)``, and claim ``ids`` (``claim``). Returns ``(plan, payloads)``; ``(None, {})``
+        when nothing is queued."""
+        with self.write() as s:
+            pending, cursors = self._pending_with_cursors(s, base_model, limit)
+            if not pending:
+                return None, {}
+            plan, ids = choose(pending, cursors)
+            return plan, self._claim(s, ids)
 
     def cursors(self, model_ids: Sequence[str]) -> dict[str, ModelCursor]:
         if not model_ids:
@@ -510,13 +608,19 @@ class Store:
         if not ids:
             return {}
         with self.write() as s:
-            q = (
-                update(Future)
-                .where(Future.id.in_(list(ids)))
-                .values(state="running", started_at=utcnow())
-                .returning(Future.id, Future.payload)
-            )
-            return dict(s.execute(q).all())
+            return self._claim(s, ids)
+
+    @staticmethod
+    def _claim(s: OrmSession, ids: Sequence[str]) -> dict[str, bytes | None]:
+        if not ids:
+            return {}
+        q = (
+            update(_FUTURES)
+            .where(_FUTURES.c.id.in_(list(ids)))
+            .values(state="running", started_at=utcnow())
+            .returning(_FUTURES.c.id, _FUTURES.c.payload)
+        )
+        return dict(s.execute(q).all())
 
     def finish(
         self,
@@ -525,30 +629,35 @@ class Store:
         model_status: dict[str, tuple[str, str | None]] | None = None,
         checkpoints: dict[str, tuple[str, int | None]] | None = None,
         progress: tuple[str, int, int, float] | None = None,
-    ) -> None:
+        claim_next: bool = False,
+    ) -> list[tuple[PendingFuture, bytes | None]]:
         """Record results in one transaction: ``outcomes`` = ``(id, result, error, category)``;
         ``advance`` = new ``next_seq`` per model; ``model_status`` = ``(status, detail)`` per model;
         ``checkpoints`` = ``(state, size_bytes)`` per tinker path (``failed`` ones are removed);
-        ``progress`` = ``(base_model, passes, tokens, seconds)``: the engine's ``engine_progress``."""
+        ``progress`` = ``(base_model, passes, tokens, seconds)``: the engine's ``engine_progress``.
+
+        ``claim_next``: in the same transaction, claim (mark running) the queued request of every
+        advanced, active model that is next in its ``seq_id`` order and is not a forward_backward
+        (typically the optim_step sent right after a forward_backward), and return it with its
+        payload: the engine runs it at once instead of in its next tick."""
         now = utcnow()
+        done = [{"fid": fid, "result": result, "now": now} for fid, result, error, _ in outcomes if error is None]
+        failed = [
+            {"fid": fid, "error": error, "category": category or "server", "now": now}
+            for fid, _, error, category in outcomes
+            if error is not None
+        ]
         with self.write() as s:
             if progress is not None:
-                s.execute(self._progress_update(*progress))
-            for fid, result, error, category in outcomes:
-                values = {"finished_at": now, "payload": None}
-                if error is None:
-                    values.update(state="done", result=result)
-                else:
-                    values.update(state="failed", error=error, category=category or "server")
-                s.execute(update(Future).where(Future.id == fid).values(**values))
-            for mid, nxt in (advance or {}).items():
-                s.execute(
-                    update(TrainingModel)
-                    .where(TrainingModel.id == mid, TrainingModel.next_seq < nxt)
-                    .values(next_seq=nxt)
-                )
+                self._progress(s, *progress)
+            if done:
+                s.execute(_FINISH_DONE, done)
+            if failed:
+                s.execute(_FINISH_FAILED, failed)
+            if advance:
+                s.execute(_ADVANCE, [{"mid": mid, "nxt": nxt} for mid, nxt in advance.items()])
             for mid, (status, detail) in (model_status or {}).items():
-                s.execute(update(TrainingModel).where(TrainingModel.id == mid).values(status=status, status_detail=detail))
+                s.execute(update(_MODELS).where(_MODELS.c.id == mid).values(status=status, status_detail=detail))
             for path, (state, size) in (checkpoints or {}).items():
                 if state == "failed":
                     s.execute(delete(Checkpoint).where(Checkpoint.tinker_path == path, Checkpoint.state == "pending"))
@@ -556,6 +665,12 @@ class Store:
                     s.execute(
                         update(Checkpoint).where(Checkpoint.tinker_path == path).values(state=state, size_bytes=size)
                     )
+            if not (claim_next and advance):
+                return []
+            claimed = []
+            for mid, nxt in advance.items():
+                claimed += s.execute(_CLAIM_NEXT, {"mid": mid, "nxt": nxt, "now": now}).all()
+            return [(PendingFuture(*row[:-1]), row[-1]) for row in claimed]
 
     def register_engine(
         self, base_model: str, pid: int, capabilities: Sequence[str] = ("train",), doorbell_port: int | None = None
@@ -581,20 +696,15 @@ class Store:
     def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float) -> None:
         """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens)."""
         with self.write() as s:
-            s.execute(self._progress_update(base_model, passes, tokens, seconds))
+            self._progress(s, base_model, passes, tokens, seconds)
 
     @staticmethod
-    def _progress_update(base_model: str, passes: int, tokens: int, seconds: float):
-        values: dict = {"heartbeat_at": utcnow()}
+    def _progress(s: OrmSession, base_model: str, passes: int, tokens: int, seconds: float) -> None:
+        params = {"bm": base_model, "now": utcnow()}
         if passes:
-            values.update(
-                passes=EngineRecord.passes + passes,
-                tokens=EngineRecord.tokens + tokens,
-                busy_seconds=EngineRecord.busy_seconds + seconds,
-                last_pass_seconds=seconds,
-                last_pass_tokens=tokens,
-            )
-        return update(EngineRecord).where(EngineRecord.base_model == base_model).values(**values)
+            s.execute(_PROGRESS, {**params, "passes": passes, "tokens": tokens, "seconds": seconds})
+        else:
+            s.execute(_HEARTBEAT, params)
 
     # -- result listeners (API processes notified when requests finish) --------------------------
 

@@ -217,3 +217,61 @@ def test_numpy_payloads_reach_the_store_intact(env):
     payload = decode(store.claim([rid])[rid])
     np.testing.assert_array_equal(payload["datums"][0]["tokens"], [5, 6, 7])
     assert payload["loss_fn"] == "cross_entropy" and payload["forward_only"] is False
+
+
+def test_hot_routes_check_a_cached_model_in_the_submit_transaction(env):
+    """forward_backward and optim_step read a model once, then check it inside their submit: an
+    ended session still answers 410 (never a rejection record), a bad request on a live model 400."""
+    client, store, (alice, bob) = env
+    session = _session(client, alice)
+    model_id = _model(client, store, alice, session)
+    assert _post_proto(client, alice, _fwdbwd_body(model_id, 1)).status_code == 200  # now cached
+    r = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {"type": "sgd"}},
+                    headers=h(alice))
+    assert r.status_code == 400
+    assert _post_proto(client, bob, _fwdbwd_body(model_id, 3)).status_code == 404  # another owner's
+    assert client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "success"}},
+                       headers=h(alice)).status_code == 200
+    r = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {}}, headers=h(alice))
+    assert r.status_code == 410 and "finished" in r.json()["detail"]
+    r = _post_proto(client, alice, _fwdbwd_body(model_id, 3, loss_fn="nope"))  # invalid AND ended: 410 first
+    assert r.status_code == 410
+    rows = [(p.op, p.seq_id) for p in store.pending(BASE) if p.model_id == model_id]
+    assert ("forward_backward", 1) in rows and ("rejected", 2) in rows and not any(s == 3 for _, s in rows)
+
+
+def test_retrieve_of_a_hot_submit_answers_from_the_engines_datagram_without_a_read(env):
+    from ember.doorbell import RESULT_KEY_SETTING, ring_ids, ring_results
+
+    client, store, (alice, bob) = env
+    model_id = _model(client, store, alice, _session(client, alice))
+    st = client.app.state.ember
+    key = bytes.fromhex(store.setting(RESULT_KEY_SETTING, lambda: "00"))
+    rid = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}},
+                      headers=h(alice)).json()["request_id"]
+    result = encode({"metrics": {"grad_norm": 2.5}})
+    store.finish([(rid, result, None, None)], advance={model_id: 2})
+    ring_results(st.waiter.port, key, [(rid, result, None, None)])
+    deadline = time.monotonic() + 2
+    while not st.waiter.recent(rid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reads = []
+    original = store.get_future
+    store.get_future = lambda *a: reads.append(a) or original(*a)
+    try:
+        r = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=h(alice))
+        assert r.json() == {"type": "optim_step", "metrics": {"grad_norm": 2.5}} and reads == []
+        assert client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=h(bob)).status_code == 404
+        # finished with a result too large for a datagram (ids only): read from the store
+        rid2 = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {}},
+                           headers=h(alice)).json()["request_id"]
+        store.finish([(rid2, None, "boom", "user")], advance={model_id: 3})
+        ring_ids(st.waiter.port, [rid2])
+        deadline = time.monotonic() + 2
+        while not st.waiter.recent(rid2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reads.clear()
+        r = client.post("/api/v1/retrieve_future", json={"request_id": rid2}, headers=h(alice))
+        assert r.json() == {"error": "boom", "category": "user"} and len(reads) == 1
+    finally:
+        store.get_future = original

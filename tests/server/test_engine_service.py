@@ -153,3 +153,40 @@ def test_external_export_is_age_encrypted_for_the_recipients(engine):
     with engine.storage.open_file(uri, "adapter_model.safetensors.age") as f:
         tensors = load(pyrage.decrypt(f.read(), [identity]))
     assert any(k.endswith("lora_A.weight") for k in tensors)
+
+
+def test_an_op_queued_behind_a_pass_runs_in_the_same_tick_and_result_datagrams_carry_it(engine):
+    """The optim_step the SDK sends right after a forward_backward is claimed by the pass's finish
+    and runs at once (one ``step()``), and the result datagrams the API receives carry what the
+    store holds."""
+    import socket
+
+    from ember.doorbell import parse_results
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.settimeout(2.0)
+    engine.store.listen_results("api-test", socket.gethostname(), listener.getsockname()[1])
+    session = engine.store.create_session("o", None, [], {}, None)
+    a = _create(engine, session, 0, seed=6)
+    _drain(engine)
+    fb = _submit(engine, a, 1, "forward_backward", _fwdbwd(np.arange(12) % 300), 11)
+    opt = _submit(engine, a, 2, "optim_step", encode({"adam": {"learning_rate": 0.01}}))
+    fb2 = _submit(engine, a, 3, "forward_backward", _fwdbwd(np.arange(12) % 300), 11)
+    engine._listeners = (-1e9, [])  # read the listener registered above
+    assert engine.step()
+    # the pass and the optim_step ran; the next forward_backward waits for the next tick
+    assert engine.store.get_future(opt, "o").state == "done" and engine.store.get_future(fb2, "o").state == "pending"
+    assert engine.store.get_model(a, "o").next_seq == 3
+    key = engine._result_key
+    got = {}
+    while not {fb, opt} <= set(got):
+        got.update(parse_results(key, listener.recv(65536)) or {})
+    for rid in (fb, opt):
+        row = engine.store.get_future(rid, "o")
+        assert got[rid] == ("done", row.result, None, None)
+    # an op is only claimed when it is next in order and its model is active
+    engine.store.finish([], model_status={a: ("unloaded", "gone")})
+    _drain(engine)
+    assert engine.store.get_future(fb2, "o").state == "failed"
+    listener.close()

@@ -74,3 +74,50 @@ async def _scenario(store):
     await asyncio.sleep(0.05)
     store.finish([(rid, b"", None, None)])
     assert await asyncio.wait_for(task, 2.0) is True
+
+
+def test_result_datagrams_roundtrip_split_and_refuse_forgeries():
+    from ember.doorbell import MAX_RESULT_DATAGRAM, Outcome, parse_results, result_datagrams
+
+    key = b"k" * 32
+    outcomes = [(f"{i:036d}", bytes(range(256)) * 3, None, None) for i in range(30)]
+    outcomes += [("failed-1", None, "boom ✗", "user"), ("failed-2", None, "oops", None), ("big", b"x" * 10_000, None, None)]
+    grams, too_big = result_datagrams(key, outcomes)
+    assert too_big == ["big"] and len(grams) > 1 and all(len(g) <= MAX_RESULT_DATAGRAM for g in grams)
+    got = {}
+    for g in grams:
+        got.update(parse_results(key, g))
+    assert got[outcomes[0][0]] == Outcome("done", bytes(range(256)) * 3, None, None) and len(got) == 32
+    assert got["failed-1"] == ("failed", None, "boom ✗", "user") and got["failed-2"].category == "server"
+    forged = grams[0][:-1] + bytes([grams[0][-1] ^ 1])
+    assert parse_results(key, forged) is None and parse_results(b"other" * 8, grams[0]) is None
+    assert parse_results(None, grams[0]) is None and parse_results(key, b"some-id") is None
+
+
+def test_waiter_hands_datagram_outcomes_to_its_waiters(tmp_path):
+    with fresh_database(tmp_path) as url:
+        store = Store.open(url)
+        try:
+            asyncio.run(_outcome_scenario(store))
+        finally:
+            store.close()
+
+
+async def _outcome_scenario(store):
+    from ember.doorbell import RESULT_KEY_SETTING, ring_results
+
+    waiter = FutureWaiter(store, interval_s=30.0)
+    await waiter.start()
+    key = bytes.fromhex(store.setting(RESULT_KEY_SETTING, lambda: "00"))
+    rid = _queued(store)
+    task = asyncio.create_task(waiter.wait(rid, 10.0))
+    await asyncio.sleep(0.1)
+    ring_results(waiter.port, key, [(rid, b"result", None, None)])
+    assert await asyncio.wait_for(task, 2.0) == ("done", b"result", None, None)
+    # a datagram under another key only says "look now": the waiter reads the store
+    task = asyncio.create_task(waiter.wait(rid, 10.0))
+    await asyncio.sleep(0.1)
+    store.finish([(rid, b"", None, None)])
+    ring_results(waiter.port, b"wrong" * 8, [(rid, b"forged", None, None)])
+    assert await asyncio.wait_for(task, 2.0) is True
+    await waiter.stop()

@@ -186,3 +186,49 @@ def test_64_concurrent_writers_never_see_database_is_locked(db_url, store):
         cursors = set(s.scalars(select(TrainingModel.next_seq)))
     assert len(done) == procs_n * threads_n * rounds
     assert cursors == {rounds + 1}
+
+
+def test_live_submits_check_the_model_in_their_transaction(store):
+    from ember.store.repo import NotLive
+
+    session, mid, create = _model(store)
+    kw = dict(owner="o", base_model="b", op="optim_step", payload=b"", model_id=mid, live=True)
+    with pytest.raises(NotLive) as e:
+        store.submit(**{**kw, "owner": "mallory"}, seq_id=1)
+    assert e.value.kind == "missing"
+    with pytest.raises(NotLive) as e:
+        store.submit(**{**kw, "model_id": "nope:train:0"}, seq_id=1)
+    assert e.value.kind == "missing"
+    first = store.submit(**kw, seq_id=1)  # a model being created takes requests
+    assert store.submit(**kw, seq_id=1) == first
+    store.finish([(create, b"", "no room", "user")], model_status={mid: ("failed", "no room")})
+    with pytest.raises(NotLive) as e:
+        store.submit(**kw, seq_id=2)
+    assert e.value.kind == "failed" and "could not be created" in str(e.value)
+    _, other, _ = _model(store, session=session, seq=1)
+    store.end_session(session, "finished", "done")
+    with pytest.raises(NotLive) as e:
+        store.submit(**{**kw, "model_id": other}, seq_id=1)
+    assert e.value.kind == "gone" and "finished" in str(e.value)
+
+
+def test_take_plans_and_claims_in_one_transaction_and_finish_claims_the_next_op(store):
+    _, mid, create = _model(store)
+    store.finish([(create, b"", None, None)], advance={mid: 1}, model_status={mid: ("active", None)})
+    fb = store.submit(owner="o", base_model="b", op="forward_backward", payload=b"f", model_id=mid, seq_id=1)
+    opt = store.submit(owner="o", base_model="b", op="optim_step", payload=b"o", model_id=mid, seq_id=2)
+    seen = []
+
+    def choose(pending, cursors):
+        seen.append(([p.id for p in pending], cursors[mid].next_seq))
+        return "plan", [fb]
+
+    assert store.take("b", choose) == ("plan", {fb: b"f"})
+    assert seen == [([fb, opt], 1)] and [p.id for p in store.pending("b")] == [opt]
+    assert store.take("other", choose) == (None, {})
+    (claimed, payload), = store.finish([(fb, b"r", None, None)], advance={mid: 2}, claim_next=True)
+    assert (claimed.id, claimed.op, claimed.seq_id, payload) == (opt, "optim_step", 2, b"o")
+    assert store.pending("b") == [] and store.get_future(fb, "o").state == "done"
+    # not next in order, or a forward_backward: nothing is claimed
+    store.submit(owner="o", base_model="b", op="optim_step", payload=b"", model_id=mid, seq_id=4)
+    assert store.finish([(opt, b"", None, None)], advance={mid: 3}, claim_next=True) == []

@@ -13,7 +13,7 @@ from ember.server.app import EmberState
 from ember.server.config import ServedModel
 from ember.server.errors import ApiError, bad_request, gone, not_found
 from ember.store.models import Checkpoint, TrainingModel
-from ember.store.repo import Conflict, Gone, utcnow
+from ember.store.repo import Conflict, Gone, NotLive, utcnow
 
 SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 KINDS = {v: k for k, v in SEGMENTS.items()}
@@ -69,6 +69,26 @@ def live_model(st: EmberState, owner: str, model_id: str) -> TrainingModel:
     return model
 
 
+_MODEL_CACHE_SIZE = 4096
+
+
+def hot_model(st: EmberState, owner: str, model_id: str) -> tuple[TrainingModel, bool]:
+    """The owner's model for the hot submit routes (forward_backward, optim_step): ``(model,
+    checked)``. A model this process already saw live comes from its cache without a read (a
+    model's id, owner, session and base model never change) with ``checked`` False: the submit
+    must then pass ``live=True``, which checks liveness inside its own transaction. Otherwise
+    ``live_model`` (which caches it) and ``checked`` True."""
+    cache = st.models
+    model = cache.get(model_id)
+    if model is not None and model.owner == owner:
+        return model, False
+    model = live_model(st, owner, model_id)
+    if len(cache) >= _MODEL_CACHE_SIZE:
+        cache.clear()
+    cache[model_id] = model
+    return model, True
+
+
 def active_session(st: EmberState, owner: str, session_id: str):
     try:
         return st.store.active_session(session_id, owner)
@@ -103,24 +123,41 @@ def readable_checkpoint(st: EmberState, owner: str, path: str) -> Checkpoint:
 
 
 def submit(st: EmberState, **kwargs) -> str:
-    """``Store.submit`` with its conflicts reported as 400 (never 409: the SDK retries those)."""
+    """``Store.submit`` with its conflicts reported as 400 (never 409: the SDK retries those) and,
+    with ``live=True``, a model that cannot take requests as ``live_model`` reports it (404, 410
+    or 400; not recorded as a rejection)."""
     try:
         rid = st.store.submit(**kwargs)
     except Conflict as e:
         raise bad_request(str(e)) from None
+    except NotLive as e:
+        st.models.pop(kwargs.get("model_id"), None)
+        err = ApiError({"missing": 404, "gone": 410}.get(e.kind, 400), str(e))
+        err.rejectable = False  # type: ignore[attr-defined]
+        raise err from None
     st.ring(kwargs["base_model"])
     return rid
 
 
 @contextmanager
-def sequenced(st: EmberState, owner: str, model: TrainingModel, op: str, seq_id: int) -> Iterator[None]:
+def sequenced(
+    st: EmberState, owner: str, model: TrainingModel, op: str, seq_id: int, checked: bool = True
+) -> Iterator[None]:
     """Around the validation and submission of a model's request with ``seq_id``: a 4xx raised
     inside records the request as rejected, so it still takes its seq_id and the model's later
-    requests (which the SDK numbers after it) are not held up waiting for it."""
+    requests (which the SDK numbers after it) are not held up waiting for it. ``checked=False``
+    (a model from ``hot_model``'s cache): before recording a rejection, check that the model is
+    live, so that a dead model answers 404/410 as it would have before validation."""
     try:
         yield
     except ApiError as e:
-        if 400 <= e.status_code < 500:
+        if 400 <= e.status_code < 500 and getattr(e, "rejectable", True):
+            if not checked:
+                try:
+                    live_model(st, owner, model.id)
+                except ApiError:
+                    st.models.pop(model.id, None)
+                    raise
             reject(st, owner, model, op, seq_id, str(e.detail))
         raise
 

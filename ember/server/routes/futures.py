@@ -7,11 +7,13 @@ sample results are protobuf, everything else JSON."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
+from ember.doorbell import Outcome
 from ember.server.auth import require_owner
 from ember.server.errors import not_found
 from ember.server.routes.common import ember
@@ -26,11 +28,16 @@ PROTO = "application/x-protobuf"
 
 def render_result(row: Future) -> Response:
     """The Tinker answer for a finished future."""
-    if row.state == "failed":
-        return JSONResponse({"error": row.error or "request failed", "category": row.category or "unknown"})
-    reply = dict(row.reply or {})
+    return render(row.state, row.reply, row.result, row.error, row.category)
+
+
+def render(state: str, reply: dict | None, result: bytes | None, error: str | None, category: str | None) -> Response:
+    """The Tinker answer for a finished request (``reply``: what the API stored at submit)."""
+    if state == "failed":
+        return JSONResponse({"error": error or "request failed", "category": category or "unknown"})
+    reply = dict(reply or {})
     kind = reply.pop("proto", None)
-    result = decode(row.result) if row.result else {}
+    result = decode(result) if result else {}
     if kind == "forward_backward":
         return Response(encode_forward_backward_output(result["logprobs"], result["metrics"]), media_type=PROTO)
     if kind == "sample":
@@ -43,14 +50,21 @@ def render_result(row: Future) -> Response:
     return JSONResponse(reply)
 
 
-def _answer(store, request_id: str, owner: str) -> Response | str | None:
-    """One thread-pool hop: the rendered answer if the request finished, ``"pending"`` if not,
+@dataclass(frozen=True)
+class Pending:
+    """A request that has not finished, and what the API stored to answer it."""
+
+    reply: dict | None
+
+
+def _answer(store, request_id: str, owner: str) -> Response | Pending | None:
+    """One thread-pool hop: the rendered answer if the request finished, ``Pending`` if not,
     ``None`` if it does not exist (or is not the owner's)."""
     row = store.get_future(request_id, owner)
     if row is None:
         return None
     if row.state not in ("done", "failed"):
-        return "pending"
+        return Pending(row.reply)
     return render_result(row)
 
 
@@ -58,14 +72,28 @@ def _answer(store, request_id: str, owner: str) -> Response | str | None:
 async def retrieve_future(body: schemas.RetrieveFutureRequest, request: Request, owner: str = Depends(require_owner)):
     st = ember(request)
     mark = st.waiter.mark()
-    answer = await run_in_threadpool(_answer, st.store, body.request_id, owner)
+    reply = st.recent_submit(body.request_id, owner)
+    answer: Response | Pending | None = None
+    if reply is not None:
+        # Queued here moments ago by a hot route: no store read. Its outcome is here if an
+        # engine's datagram brought it; else it is still pending, or it finished without a
+        # datagram reaching us, which the waiter's poll finds (at the latest every interval).
+        outcome = st.waiter.recent(body.request_id)
+        if isinstance(outcome, Outcome):
+            return render(outcome.state, reply, outcome.result, outcome.error, outcome.category)
+        answer = None if outcome else Pending(reply)
+    if answer is None:
+        answer = await run_in_threadpool(_answer, st.store, body.request_id, owner)
     if answer is None:
         raise not_found(f"request {body.request_id!r}")
     deadline = time.monotonic() + st.config.long_poll_s
-    while answer == "pending":
+    while isinstance(answer, Pending):
         left = deadline - time.monotonic()
-        if left <= 0 or not await st.waiter.wait(body.request_id, left, since=mark):
+        woke = False if left <= 0 else await st.waiter.wait(body.request_id, left, since=mark)
+        if not woke:
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+        if isinstance(woke, Outcome):  # the engine's datagram carried what it committed: no read back
+            return render(woke.state, answer.reply, woke.result, woke.error, woke.category)
         mark = st.waiter.mark()
         answer = await run_in_threadpool(_answer, st.store, body.request_id, owner)
         if answer is None:  # purged meanwhile (cannot happen within the retention window)

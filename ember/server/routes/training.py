@@ -18,6 +18,7 @@ from ember.server.routes.common import (
     check_name,
     ember,
     expiry,
+    hot_model,
     live_model,
     readable_checkpoint,
     sequenced,
@@ -34,6 +35,8 @@ from ember.store.repo import Conflict, utcnow
 
 router = APIRouter(prefix="/api/v1")
 
+_FB_REPLY = {"proto": "forward_backward"}  # what retrieve_future answers with (stored with the request)
+_OPTIM_REPLY = {"type": "optim_step", "result_keys": ["metrics"]}
 LORA_ALPHA = 32.0  # Tinker does not send alpha; tinker-cookbook assumes 32 (spec §3.10)
 
 
@@ -147,26 +150,29 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
 
 
 def _submit_forward_backward(st, owner: str, msg) -> dict:
-    model = live_model(st, owner, msg.model_id)
+    model, checked = hot_model(st, owner, msg.model_id)
     if msg.seq_id < 1:
+        if not checked:
+            live_model(st, owner, model.id)
         raise bad_request(f"seq_id must be >= 1, got {msg.seq_id}")
-    with sequenced(st, owner, model, "forward_backward", msg.seq_id):
+    with sequenced(st, owner, model, "forward_backward", msg.seq_id, checked):
         try:
             decoded = decode_forward_backward(msg, st.config.models[model.base_model].limits)
         except WireError as e:
             raise bad_request(str(e)) from None
         rid = submit(
             st, owner=owner, base_model=model.base_model, op="forward_backward", payload=encode(decoded.payload),
-            model_id=model.id, seq_id=decoded.seq_id, n_tokens=decoded.n_tokens, reply={"proto": "forward_backward"},
+            model_id=model.id, seq_id=decoded.seq_id, n_tokens=decoded.n_tokens, reply=_FB_REPLY, live=not checked,
         )
+    st.remember(rid, owner, _FB_REPLY)
     return _accepted(rid, model.id)
 
 
 @router.post("/optim_step")
 def optim_step(body: schemas.OptimStepRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
     st = ember(request)
-    model = live_model(st, owner, body.model_id)
-    with sequenced(st, owner, model, "optim_step", body.seq_id):
+    model, checked = hot_model(st, owner, body.model_id)
+    with sequenced(st, owner, model, "optim_step", body.seq_id, checked):
         params = body.adam_params.model_dump() if body.adam_params else (body.optim_params or body.optimizer_params)
         if params is None:
             raise bad_request("optim_step needs adam_params")
@@ -178,8 +184,9 @@ def optim_step(body: schemas.OptimStepRequest, request: Request, owner: str = De
             raise bad_request(f"invalid adam_params: {e}") from None
         rid = submit(
             st, owner=owner, base_model=model.base_model, op="optim_step", payload=encode({"adam": adam}),
-            model_id=model.id, seq_id=body.seq_id, reply={"type": "optim_step", "result_keys": ["metrics"]},
+            model_id=model.id, seq_id=body.seq_id, reply=_OPTIM_REPLY, live=not checked,
         )
+    st.remember(rid, owner, _OPTIM_REPLY)
     return _accepted(rid, model.id)
 
 

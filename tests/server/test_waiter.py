@@ -24,13 +24,17 @@ def test_id_datagrams_split_and_keep_every_id():
     assert [x.decode() for g in grams for x in g.split(b"\n")] == ids
 
 
-def test_waiter_is_woken_by_datagrams_and_falls_back_to_polling(tmp_path):
+def _run_on_store(tmp_path, scenario):
     with fresh_database(tmp_path) as url:
         store = Store.open(url)
         try:
-            asyncio.run(_scenario(store))
+            asyncio.run(scenario(store))
         finally:
             store.close()
+
+
+def test_waiter_is_woken_by_datagrams_and_falls_back_to_polling(tmp_path):
+    _run_on_store(tmp_path, _scenario)
 
 
 async def _scenario(store):
@@ -95,12 +99,7 @@ def test_result_datagrams_roundtrip_split_and_refuse_forgeries():
 
 
 def test_waiter_hands_datagram_outcomes_to_its_waiters(tmp_path):
-    with fresh_database(tmp_path) as url:
-        store = Store.open(url)
-        try:
-            asyncio.run(_outcome_scenario(store))
-        finally:
-            store.close()
+    _run_on_store(tmp_path, _outcome_scenario)
 
 
 async def _outcome_scenario(store):

@@ -79,6 +79,8 @@ class SampleInput:
     / ``topk_sample_logprobs``: the k most likely tokens per prompt / sampled position.
     ``target_prompt_logprobs``: ``[P-1, K]`` token ids (-1 = none) to score at positions ``1..P-1``.
     ``record_routing``: the experts each MoE layer chose for every token the model read.
+    ``prompt_alt_tokens_k``: that many draws (request temperature, with replacement) from the
+    model's distribution at every prompt position ``1..P-1``, with their logprobs.
     """
 
     slot: int
@@ -91,6 +93,7 @@ class SampleInput:
     topk_sample_logprobs: int = 0
     target_prompt_logprobs: np.ndarray | None = None
     record_routing: bool = False
+    prompt_alt_tokens_k: int = 0
 
 
 @dataclass
@@ -115,12 +118,15 @@ class SampleOutput:
     """The completions of one request (sample ``i`` used seed ``derive_seed(seed, i)``) and the
     prompt-side outputs: ``prompt_logprobs`` ``[P]`` (NaN where not computed), ``topk_prompt_ids`` /
     ``topk_prompt_logprobs`` ``[P, k]`` (empty entries: id 0, logprob -99999, as on Tinker's wire),
-    ``target_prompt_logprobs`` ``[P-1, K]`` (0.0 where the target was -1), ``routing_layers`` (the
-    layer index of each routing column)."""
+    ``target_prompt_logprobs`` ``[P-1, K]`` (0.0 where the target was -1), ``prompt_alt_tokens`` /
+    ``prompt_alt_logprobs`` ``[P-1, k]``, ``routing_layers`` (the layer index of each routing
+    column)."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: np.ndarray | None = None
     topk_prompt_ids: np.ndarray | None = None
     topk_prompt_logprobs: np.ndarray | None = None
     target_prompt_logprobs: np.ndarray | None = None
+    prompt_alt_tokens: np.ndarray | None = None
+    prompt_alt_logprobs: np.ndarray | None = None
     routing_layers: tuple[int, ...] = ()

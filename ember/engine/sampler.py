@@ -107,6 +107,7 @@ def generation_request(
         prompt_targets=targets,
         topk_sample=inp.topk_sample_logprobs,
         record_routing=inp.record_routing,
+        prompt_alt_k=inp.prompt_alt_tokens_k,
     )
 
 
@@ -121,6 +122,8 @@ def sample_output(result: GenerationResult) -> SampleOutput:
         topk_prompt_ids=result.topk_prompt_ids,
         topk_prompt_logprobs=result.topk_prompt_logprobs,
         target_prompt_logprobs=result.target_prompt_logprobs,
+        prompt_alt_tokens=result.prompt_alt_tokens,
+        prompt_alt_logprobs=result.prompt_alt_logprobs,
         routing_layers=result.routing_layers,
     )
 

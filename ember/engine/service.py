@@ -315,6 +315,7 @@ class EngineService:
                 prompt_logprobs=p["prompt_logprobs"], prompt_logprobs_last_n=p["prompt_logprobs_last_n"],
                 topk_prompt_logprobs=p["topk_prompt_logprobs"], topk_sample_logprobs=p["topk_sample_logprobs"],
                 target_prompt_logprobs=p.get("target_prompt_logprobs"),
+                prompt_alt_tokens_k=p.get("prompt_alt_tokens_k", 0),
             )))
         t0 = time.perf_counter()
         if inputs:
@@ -499,7 +500,7 @@ def _sample_result(out: SampleOutput) -> dict:
         for q in out.sequences
     ]
     arrays = {k: getattr(out, k) for k in ("prompt_logprobs", "topk_prompt_ids", "topk_prompt_logprobs",
-                                             "target_prompt_logprobs")}
+                                             "target_prompt_logprobs", "prompt_alt_tokens", "prompt_alt_logprobs")}
     return {"sequences": seqs, **{k: None if v is None else np.asarray(v) for k, v in arrays.items()}}
 
 

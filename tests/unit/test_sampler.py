@@ -502,3 +502,30 @@ def test_bad_requests_fail_alone(hf_models):
         assert isinstance(out, RequestError), word
         assert word in out.message, (word, out.message)
     _no_leak(worker)
+
+
+def test_prompt_alternative_draws(hf_models):
+    """prompt_alt_tokens_k: k draws per prompt position 1..P-1 with the model's logprobs of them;
+    greedy draws are the argmax, seeded draws reproduce, and the logprobs equal the prompt-position
+    logprobs of the same tokens (asked as target_prompt_logprobs)."""
+    _, path = hf_models["qwen3"]
+    worker = _worker(path)
+    (slot,) = _adapters(worker, [LoraConfig(rank=4, alpha=8.0, seed=7)])
+    prompt = np.array(random_sequences(VOCAB, [9], seed=41)[0])
+    P, k = len(prompt), 4
+    greedy = SampleInput(slot, prompt, SamplingParams(max_tokens=2, temperature=0.0), prompt_alt_tokens_k=k,
+                         topk_prompt_logprobs=1)
+    (g,) = worker.sample([greedy])
+    assert g.prompt_alt_tokens.shape == (P - 1, k) and g.prompt_alt_logprobs.shape == (P - 1, k)
+    assert (g.prompt_alt_tokens == g.topk_prompt_ids[1:, :1]).all()
+    np.testing.assert_allclose(g.prompt_alt_logprobs, np.repeat(g.topk_prompt_logprobs[1:, :1], k, 1), atol=1e-5)
+
+    hot = SampleInput(slot, prompt, SamplingParams(max_tokens=2, temperature=1.5, seed=3), prompt_alt_tokens_k=k)
+    a, b = worker.sample([hot, hot])
+    other = worker.sample([dataclasses.replace(hot, params=SamplingParams(max_tokens=2, temperature=1.5, seed=4))])[0]
+    assert (a.prompt_alt_tokens == b.prompt_alt_tokens).all()
+    assert (a.prompt_alt_tokens != other.prompt_alt_tokens).any()
+    assert len(np.unique(a.prompt_alt_tokens)) > P  # draws, not one token per position
+    scored = worker.sample([dataclasses.replace(hot, prompt_alt_tokens_k=0, target_prompt_logprobs=a.prompt_alt_tokens)])
+    np.testing.assert_allclose(a.prompt_alt_logprobs, scored[0].target_prompt_logprobs, atol=1e-5)
+    assert (a.prompt_alt_logprobs < 0).all() and scored[0].prompt_alt_tokens is None

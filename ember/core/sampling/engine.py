@@ -41,9 +41,11 @@ from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import (
     capped,
     chunked_rows,
+    derive_seed,
     head_logits,
     log_softmax,
     plain,
+    sample_rows,
     sample_tokens,
     seeded_uniform,
     topk_logprobs,
@@ -60,6 +62,7 @@ from ember.core.sampling.scheduler import RequestState, Scheduler, SequenceState
 
 # rows sampled at once from one prompt's logits (bounds the [rows, V] fp64 work of huge num_samples)
 SAMPLE_ROWS = 256
+ALT_SEED_INDEX = 1 << 40  # the prompt-alternative draws' seed: derive_seed(first sample seed, this)
 
 
 @dataclass
@@ -185,7 +188,7 @@ class SamplingEngine:
             raise InvalidGeneration(f"top_p={req.top_p} must be in (0, 1]")
         if not isinstance(req.top_k, (int, np.integer)) or req.top_k < -1:
             raise InvalidGeneration(f"top_k={req.top_k} must be -1 (off) or a positive integer")
-        for name in ("topk_prompt", "topk_sample"):
+        for name in ("topk_prompt", "topk_sample", "prompt_alt_k"):
             k = getattr(req, name)
             if not isinstance(k, (int, np.integer)) or not 0 <= k <= self.vocab:
                 raise InvalidGeneration(f"{name}={k} must be an integer in [0, {self.vocab}]")
@@ -356,6 +359,32 @@ class SamplingEngine:
                 )
                 out = np.where(t < 0, 0.0, lps.float().cpu().numpy()).astype(np.float32)
             r.outputs["target_prompt_logprobs"] = out
+        if req.prompt_alt_k:
+            r.outputs["prompt_alt"] = self._prompt_alternatives(r, h)
+
+    def _prompt_alternatives(self, r: RequestState, h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """``prompt_alt_k`` draws at each prompt position ``1..P-1`` (request temperature, plain: no
+        top-k/top-p) and their logprobs, ``[P-1, k]`` each. Draw ``j`` at position ``i`` uses the
+        uniform number of step ``i·k + j`` of a seed derived from the request's first sample seed,
+        so the draws are reproducible and independent of the batch."""
+        req = r.request
+        P, k = len(req.prompt), req.prompt_alt_k
+        tokens = np.zeros((P - 1, k), dtype=np.int64)
+        logprobs = np.zeros((P - 1, k), dtype=np.float32)
+        seed = derive_seed(req.seeds[0], ALT_SEED_INDEX)
+        inv_t = 1.0 / req.temperature if req.temperature > 0 else 0.0
+        step = chunked_rows(P - 1, self.vocab)
+        for c0 in range(1, P, step):
+            c1 = min(P, c0 + step)
+            raw = head_logits(h[c0 - 1 : c1 - 1], self.model.unembed_weight, self._route(req.slot, c1 - c0))
+            z = capped(raw, self.softcap).contiguous()
+            inv = torch.full((c1 - c0,), inv_t, dtype=torch.float64, device=z.device)
+            for j in range(k):
+                u = [seeded_uniform(seed, i * k + j) for i in range(c0, c1)]
+                tok, lp = sample_rows(z, inv, torch.tensor(u, dtype=torch.float64, device=z.device))
+                tokens[c0 - 1 : c1 - 1, j] = tok.cpu().numpy()
+                logprobs[c0 - 1 : c1 - 1, j] = lp.float().cpu().numpy()
+        return tokens, logprobs
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -482,12 +511,15 @@ class SamplingEngine:
                 )
             )
         topk = r.outputs.get("topk_prompt")
+        alt = r.outputs.get("prompt_alt")
         return GenerationResult(
             sequences=seqs,
             prompt_logprobs=r.outputs.get("prompt_logprobs"),
             topk_prompt_ids=topk[0] if topk else None,
             topk_prompt_logprobs=topk[1] if topk else None,
             target_prompt_logprobs=r.outputs.get("target_prompt_logprobs"),
+            prompt_alt_tokens=alt[0] if alt else None,
+            prompt_alt_logprobs=alt[1] if alt else None,
             routing_layers=r.outputs.get("routing_layers", ()),
         )
 

@@ -84,6 +84,9 @@ class GenerationRequest:
       each prompt position ``1..P-1``.
     * ``topk_sample``: top-k logprobs of every sampled position (0: off).
     * ``record_routing``: return the experts each MoE layer chose for every token fed to the model.
+    * ``prompt_alt_k``: draw that many tokens (independently, with replacement, at the request's
+      temperature; no top-k/top-p) at every prompt position ``1..P-1`` from the model's distribution
+      there, with their logprobs (0: off).
     """
 
     prompt: Sequence[int]
@@ -99,6 +102,7 @@ class GenerationRequest:
     prompt_targets: np.ndarray | None = None
     topk_sample: int = 0
     record_routing: bool = False
+    prompt_alt_k: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -130,7 +134,8 @@ class GenerationResult:
 
     ``prompt_logprobs`` ``[P]`` (NaN where not computed, always at 0); ``topk_prompt_ids``/
     ``topk_prompt_logprobs`` ``[P, k]`` (empty entries: id 0, logprob -99999); ``target_prompt_logprobs``
-    ``[P-1, K]`` (0.0 where the target was -1).
+    ``[P-1, K]`` (0.0 where the target was -1); ``prompt_alt_tokens`` / ``prompt_alt_logprobs``
+    ``[P-1, k]``: ``k`` draws at each position ``1..P-1`` and their logprobs.
     """
 
     sequences: list[SequenceResult]
@@ -138,4 +143,6 @@ class GenerationResult:
     topk_prompt_ids: np.ndarray | None = None
     topk_prompt_logprobs: np.ndarray | None = None
     target_prompt_logprobs: np.ndarray | None = None
+    prompt_alt_tokens: np.ndarray | None = None
+    prompt_alt_logprobs: np.ndarray | None = None
     routing_layers: tuple[int, ...] = ()

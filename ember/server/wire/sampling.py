@@ -84,12 +84,10 @@ def decode_sample_request(body: SampleRequest, limits: ModelLimits) -> tuple[dic
         raise WireError(f"sampling_params.temperature={sp.temperature} must be >= 0")
     if not (math.isfinite(sp.top_p) and 0 < sp.top_p <= 1):
         raise WireError(f"sampling_params.top_p={sp.top_p} must be in (0, 1]")
-    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         k = getattr(body, name)
         if not 0 <= k <= MAX_TOPK:
             raise WireError(f"{name}={k} must be between 0 and {MAX_TOPK}")
-    if body.prompt_alt_tokens_k:
-        raise WireError("prompt_alt_tokens_k > 0 is not supported by this server")
     stop = sp.stop
     if isinstance(stop, list) and any(isinstance(s, int) and not 0 <= s < limits.vocab_size for s in stop):
         raise WireError(f"sampling_params.stop token ids must be in [0, {limits.vocab_size})")
@@ -109,6 +107,7 @@ def decode_sample_request(body: SampleRequest, limits: ModelLimits) -> tuple[dic
         "topk_prompt_logprobs": body.topk_prompt_logprobs,
         "topk_sample_logprobs": body.topk_sample_logprobs,
         "target_prompt_logprobs": targets,
+        "prompt_alt_tokens_k": body.prompt_alt_tokens_k,
     }
     cost = prompt.size + body.num_samples * (sp.max_tokens or room)
     return payload, cost, layout
@@ -152,5 +151,15 @@ def encode_sample_response(result: dict, layout: dict | None = None) -> bytes:
             shape = layout.get("shape") or list(target.shape)
             t.shape.extend(shape)
             t.dense = target.reshape(shape).tobytes()
+    if result.get("prompt_alt_tokens") is not None:
+        for name, value, dtype, kind in (
+            ("tokens", result["prompt_alt_tokens"], "<i8", pb.DTYPE_INT64),
+            ("logprobs", result["prompt_alt_logprobs"], "<f4", pb.DTYPE_FLOAT32),
+        ):
+            value = np.asarray(value, dtype)
+            t = getattr(out.prompt_alt_tokens, name)
+            t.dtype = kind
+            t.shape.extend(value.shape)
+            t.dense = value.tobytes()
     out.prompt_cache_hit_tokens = 0
     return out.SerializeToString()

@@ -80,6 +80,16 @@ for td in (types.TensorData.from_torch(targets), types.TensorData.from_torch_spa
     assert got.shape == (P - 1, 2)
     np.testing.assert_allclose(got[:, 0], ref, atol=2e-4)
 
+# prompt alternatives: k draws per prompt position with the model's logprobs of them
+alt = snap.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=2,
+                  topk_prompt_logprobs=1).result().prompt_alt_tokens
+alt_ids, alt_lps = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
+assert alt_ids.shape == alt_lps.shape == (P - 1, 2)
+assert (alt_ids == np.array([[t[0][0]] * 2 for t in p.topk_prompt_logprobs[1:]])).all()  # greedy: the top token
+hot = snap.sample(prompt, 1, types.SamplingParams(max_tokens=1, seed=5), prompt_alt_tokens_k=2).result().prompt_alt_tokens
+scored = snap.sample(prompt, 1, types.SamplingParams(max_tokens=1), target_prompt_logprobs=hot.tokens).result()
+np.testing.assert_allclose(hot.logprobs.to_numpy(), scored.target_prompt_logprobs.to_numpy(), atol=2e-4)
+
 # a named sampler checkpoint (GET /samplers/{id}) has the same weights; the base model sampler
 path = tc.save_weights_for_sampler("sw1").result().path
 named = sc.create_sampling_client(model_path=path)

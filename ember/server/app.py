@@ -170,7 +170,8 @@ async def _reaper(state: EmberState) -> None:
                 log.info("session expired", extra={"session_id": sid})
             for ckpt in await asyncio.to_thread(state.store.expired_checkpoints):
                 if await asyncio.to_thread(state.store.delete_checkpoint, ckpt.tinker_path, None):
-                    await asyncio.to_thread(state.storage.delete, ckpt.uri)
+                    if not await asyncio.to_thread(state.store.uri_referenced, ckpt.uri):  # copies share files
+                        await asyncio.to_thread(state.storage.delete, ckpt.uri)
                     log.info("checkpoint expired", extra={"tinker_path": ckpt.tinker_path})
             await asyncio.to_thread(state.store.purge_futures, cfg.future_retention_s)
             await state.waiter.refresh()

@@ -806,6 +806,49 @@ class Store:
             s.delete(row)
             return row
 
+    def uri_referenced(self, uri: str) -> bool:
+        """Whether a checkpoint row still points at the files ``uri`` (copies share their source's)."""
+        with self.read() as s:
+            return bool(s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.uri == uri)))
+
+    def copy_checkpoint(
+        self, source_path: str, owner: str, run_id: str, session_id: str, expires_at: datetime | None
+    ) -> Checkpoint:
+        """Create training run ``run_id`` (weights only: status ``unloaded``, it cannot train) holding a
+        copy of the checkpoint ``source_path`` (the owner's or a published one) that shares its files;
+        same kind and name. The source row is locked, so a concurrent delete either runs first (the
+        copy fails: ``KeyError``) or sees the copy's reference and keeps the files. Idempotent: the
+        same copy again returns the existing one; a different run of that id raises ``Conflict``."""
+        now = utcnow()
+        with self.write() as s:
+            src = s.scalars(select(Checkpoint).where(Checkpoint.tinker_path == source_path).with_for_update()).first()
+            if src is None or src.state != "ready" or not (src.owner == owner or src.public):
+                raise KeyError(source_path)
+            segment = source_path[len("tinker://") :].split("/")[1]
+            path = f"tinker://{run_id}/{segment}/{src.name}"
+            existing = s.get(Checkpoint, path)
+            if existing is not None:
+                if existing.owner == owner and existing.uri == src.uri:
+                    return existing
+                raise Conflict(f"checkpoint {path} already exists")
+            if s.get(TrainingModel, run_id) is not None:
+                raise Conflict(f"training run {run_id} already exists")
+            s.add(TrainingModel(
+                id=run_id, session_id=session_id, owner=owner, base_model=src.base_model, lora=src.lora,
+                optimizer_config=src.optimizer_config, user_metadata={"copied_from": source_path},
+                status="unloaded", status_detail=f"a copy of {source_path}: weights only, it cannot be trained",
+                next_seq=0, created_at=now, last_request_time=now,
+            ))
+            copy = Checkpoint(
+                tinker_path=path, owner=owner, model_id=run_id, kind=src.kind, name=src.name, uri=src.uri,
+                state="ready", base_model=src.base_model, lora=src.lora, optimizer_config=src.optimizer_config,
+                user_metadata=src.user_metadata, size_bytes=src.size_bytes, public=False, encrypted=src.encrypted,
+                created_at=now, expires_at=expires_at,
+            )
+            s.add(copy)
+            s.flush()
+            return copy
+
     def expired_checkpoints(self) -> list[Checkpoint]:
         with self.read() as s:
             q = select(Checkpoint).where(Checkpoint.expires_at.is_not(None), Checkpoint.expires_at < utcnow())

@@ -232,3 +232,25 @@ def test_take_plans_and_claims_in_one_transaction_and_finish_claims_the_next_op(
     # not next in order, or a forward_backward: nothing is claimed
     store.submit(owner="o", base_model="b", op="optim_step", payload=b"", model_id=mid, seq_id=4)
     assert store.finish([(opt, b"", None, None)], advance={mid: 3}, claim_next=True) == []
+
+
+def test_copied_checkpoints_share_files_and_copies_are_idempotent(store):
+    _, mid, _ = _model(store)
+    p = "tinker://m/weights/n"
+    f1 = store.submit(owner="o", base_model="b", op="save_weights", payload=b"", model_id=mid, seq_id=1,
+                      checkpoint=_ckpt(p))
+    with pytest.raises(KeyError):  # not ready yet
+        store.copy_checkpoint(p, "o", "c1:train:0", "c1", None)
+    store.finish([(f1, b"", None, None)], checkpoints={p: ("ready", 123)})
+    copy = store.copy_checkpoint(p, "o", "c1:train:0", "c1", None)
+    assert copy.tinker_path == "tinker://c1:train:0/weights/n" and copy.uri == "/x" and copy.size_bytes == 123
+    run = store.get_model("c1:train:0", "o")
+    assert run.status == "unloaded" and run.user_metadata == {"copied_from": p}
+    assert store.copy_checkpoint(p, "o", "c1:train:0", "c1", None).tinker_path == copy.tinker_path  # a retry
+    with pytest.raises(KeyError):  # another owner, unpublished
+        store.copy_checkpoint(p, "x", "c2:train:0", "c2", None)
+    with pytest.raises(Conflict, match="training run"):  # that run id holds something else
+        store.copy_checkpoint(p, "o", mid, "s", None)
+    # deleting the source leaves the files referenced by the copy; deleting the copy releases them
+    assert store.delete_checkpoint(p, "o") is not None and store.uri_referenced("/x")
+    assert store.delete_checkpoint(copy.tinker_path, "o") is not None and not store.uri_referenced("/x")

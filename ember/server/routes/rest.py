@@ -3,16 +3,19 @@ download URLs), weights_info and sessions; plus the signed download route itself
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 from datetime import UTC, datetime
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from ember.server.auth import require_owner
 from ember.server.errors import ApiError, bad_request, not_found
 from ember.server.routes.common import (
     KINDS,
+    active_session,
     check_name,
     checkpoint_json,
     ember,
@@ -26,6 +29,7 @@ from ember.server.routes.training import tinker_lora
 from ember.server.wire import schemas
 from ember.storage import sign_token, verify_token
 from ember.store.models import TrainingModel
+from ember.store.repo import Conflict
 
 router = APIRouter(prefix="/api/v1")
 
@@ -188,8 +192,42 @@ def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request, owner: 
     ckpt = st.store.delete_checkpoint(path, owner)
     if ckpt is None:
         raise not_found(f"checkpoint {path!r}")
-    st.storage.delete(ckpt.uri)
+    if not st.store.uri_referenced(ckpt.uri):  # a copy may share these files
+        st.storage.delete(ckpt.uri)
     return {}
+
+
+@router.post("/copy_weights")
+def copy_weights(
+    body: schemas.CopyWeightsRequest,
+    request: Request,
+    owner: str = Depends(require_owner),
+    idempotency_key: str | None = Header(None, alias="X-Idempotency-Key"),
+) -> dict:
+    """A weights-only training run holding a copy of a checkpoint (the owner's or a published one)
+    that shares its files. With ``session_id`` + ``model_seq_id`` the run is
+    ``{session}:train:{model_seq_id}``; otherwise it gets its own id, the same for retries with one
+    ``X-Idempotency-Key``. Ember has no projects: ``destination_project_id`` is accepted and unused."""
+    st = ember(request)
+    parse_tinker_path(body.source_path)
+    expires = expiry(body.ttl_seconds)
+    if body.session_id is not None:
+        active_session(st, owner, body.session_id)
+        if body.model_seq_id is None or body.model_seq_id < 0:
+            raise bad_request("copy_weights with session_id needs model_seq_id >= 0")
+        session_id, run_id = body.session_id, f"{body.session_id}:train:{body.model_seq_id}"
+    else:
+        key = idempotency_key or secrets.token_hex(16)
+        tag = hashlib.sha256(f"{owner}\0{body.source_path}\0{key}".encode()).hexdigest()[:24]
+        session_id = f"copy-{tag}"
+        run_id = f"{session_id}:train:0"
+    try:
+        ckpt = st.store.copy_checkpoint(body.source_path, owner, run_id, session_id, expires)
+    except KeyError:
+        raise not_found(f"checkpoint {body.source_path!r}") from None
+    except Conflict as e:
+        raise bad_request(str(e)) from None
+    return {"tinker_path": ckpt.tinker_path}
 
 
 @router.post("/weights_info")

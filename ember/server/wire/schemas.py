@@ -132,6 +132,15 @@ class WeightsInfoRequest(_Body):
     tinker_path: str
 
 
+class CopyWeightsRequest(_Body):
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    destination_project_id: str | None = None
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+
+
 class CheckpointTtlRequest(_Body):
     ttl_seconds: int | None = None
 

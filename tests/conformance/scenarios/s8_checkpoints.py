@@ -1,8 +1,8 @@
 """Stage 8: checkpoints and resume. save_state / save_weights_for_sampler / save_weights_external
 (plain and age-encrypted); create_training_client_from_state (same weights, fresh optimizer) and
 ..._with_optimizer (continues exactly like the original); the REST surface (runs, checkpoints,
-weights_info, publish, TTL, signed downloads, delete, sessions); another key sees none of it until
-a checkpoint is published."""
+weights_info, publish, TTL, signed downloads, copy_weights, delete, sessions); another key sees
+none of it until a checkpoint is published."""
 
 import json
 import urllib.request
@@ -110,7 +110,8 @@ other = tinker.ServiceClient(api_key=CONF["keys"]["bob"])
 rc_other = other.create_rest_client()
 for call in (lambda: rc_other.get_training_run(run).result(), lambda: rc_other.list_checkpoints(run).result(),
              lambda: rc_other.get_weights_info_by_tinker_path(state.path).result(),
-             lambda: rc_other.delete_checkpoint_from_tinker_path(state.path).result()):
+             lambda: rc_other.delete_checkpoint_from_tinker_path(state.path).result(),
+             lambda: rc_other.copy_weights(state.path, "default").result()):
     try:
         call()
         raise AssertionError("another key must get 404")
@@ -129,8 +130,23 @@ for a, b in zip(lps(borrowed), saved):
 rc.unpublish_checkpoint_from_tinker_path(state.path).result()
 other.close("success").result()
 
-# Delete: gone from listings, 404 afterwards; loading it fails.
+# copy_weights (Ember has no projects: the SDK requires one, the server ignores it): a weights-only
+# run sharing the files; same weights, same kind and name
+copied = rc.copy_weights(state.path, "default", ttl_seconds=7200).result()
+assert copied != state.path and copied.endswith("/weights/s1")
+copied_run = rc.get_training_run_by_tinker_path(copied).result()
+assert copied_run.training_run_id != run and copied_run.base_model == QWEN3
+for a, b in zip(lps(sc.create_training_client_from_state(copied).result()), saved):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+sampler_copy = rc.copy_weights(sampler.path, "default").result()
+assert sampler_copy.endswith("/sampler_weights/w1")
+prompt = types.ModelInput.from_ints([3, 9, 27, 81])
+before = sc.create_sampling_client(model_path=sampler_copy).compute_logprobs(prompt).result()
+
+# Delete: gone from listings, 404 afterwards; loading it fails. A copy keeps the shared files.
 rc.delete_checkpoint_from_tinker_path(sampler.path).result()
+after = sc.create_sampling_client(model_path=sampler_copy).compute_logprobs(prompt).result()
+np.testing.assert_allclose(after[1:], before[1:], atol=1e-6)
 assert "sampler_weights/w1" not in {c.checkpoint_id for c in rc.list_checkpoints(run).result().checkpoints}
 try:
     rc.get_weights_info_by_tinker_path(sampler.path).result()

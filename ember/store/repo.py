@@ -524,6 +524,25 @@ class Store:
             row = s.get(Future, request_id)
             return row if row is not None and row.owner == owner else None
 
+    def cancel_sample(self, request_id: str, owner: str) -> bool | None:
+        """Fail the owner's sampling request ``request_id`` as cancelled if no engine has claimed it
+        yet (samplers have no execution order, so nothing waits on it). ``True``: cancelled,
+        ``False``: already running or finished, or not a sampling request (nothing to do), ``None``:
+        no such request of this owner."""
+        with self.write() as s:
+            # one conditional statement: an engine's claim (pending -> running) either came first
+            # (nothing cancelled) or finds the row failed
+            done = s.execute(
+                update(Future)
+                .where(Future.id == request_id, Future.owner == owner, Future.op == "sample",
+                       Future.state == "pending")
+                .values(state="failed", error="cancelled by the client", category="user", payload=None,
+                        finished_at=utcnow())
+            ).rowcount
+            if done:
+                return True
+            return False if s.scalar(select(Future.id).where(Future.id == request_id, Future.owner == owner)) else None
+
     def finished_among(self, request_ids: Sequence[str]) -> set[str]:
         """The ids among ``request_ids`` that are done or failed."""
         if not request_ids:

@@ -275,3 +275,31 @@ def test_retrieve_of_a_hot_submit_answers_from_the_engines_datagram_without_a_re
         assert r.json() == {"error": "boom", "category": "user"} and len(reads) == 1
     finally:
         store.get_future = original
+
+
+def test_cancel_future_fails_a_pending_sample_only(env):
+    client, store, (alice, bob) = env
+    session = _session(client, alice)
+    r = client.post("/api/v1/create_sampling_session", headers=h(alice),
+                    json={"session_id": session, "sampling_session_seq_id": 0, "base_model": BASE})
+    assert r.status_code == 200, r.text
+    sampler = r.json()["sampling_session_id"]
+    r = client.post("/api/v1/asample", headers=h(alice), json={
+        "sampling_session_id": sampler, "seq_id": 1, "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 4}})
+    assert r.status_code == 200, r.text
+    rid = r.json()["request_id"]
+    assert client.post("/api/v1/client/dynamic_config", json={}, headers=h(alice)).json()["sample_cancel_enabled"]
+    assert client.post("/api/v1/cancel_future", json={"request_id": rid}, headers=h(bob)).status_code == 404
+    assert client.post("/api/v1/cancel_future", json={"request_id": rid}, headers=h(alice)).status_code == 200
+    assert client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=h(alice)).json() == {
+        "error": "cancelled by the client", "category": "user"}
+    assert client.post("/api/v1/cancel_future", json={"request_id": rid}, headers=h(alice)).status_code == 200
+    assert store.pending(BASE) == []  # the engine never sees it
+    # not a sampling request: nothing happens
+    model_id = _model(client, store, alice, session)
+    opt = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}},
+                      headers=h(alice)).json()["request_id"]
+    assert client.post("/api/v1/cancel_future", json={"request_id": opt}, headers=h(alice)).status_code == 200
+    assert [f.id for f in store.pending(BASE)] == [opt]

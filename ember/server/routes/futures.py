@@ -68,6 +68,15 @@ def _answer(store, request_id: str, owner: str) -> Response | Pending | None:
     return render_result(row)
 
 
+@router.post("/cancel_future")
+def cancel_future(body: schemas.RetrieveFutureRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Cancel an abandoned sampling request (the SDK sends this when ``sample_cancel_enabled``): it
+    fails with "cancelled by the client" unless an engine already took it (then nothing happens)."""
+    if ember(request).store.cancel_sample(body.request_id, owner) is None:
+        raise not_found(f"request {body.request_id!r}")
+    return {}
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(body: schemas.RetrieveFutureRequest, request: Request, owner: str = Depends(require_owner)):
     st = ember(request)

@@ -25,7 +25,8 @@ def client_config(body: ClientConfigRequest, request: Request, owner: str = Depe
 
 @router.post("/client/dynamic_config")
 def dynamic_config(body: ClientConfigRequest, owner: str = Depends(require_owner)) -> dict:
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+    # sample_cancel_enabled: abandoned sampling futures are cancelled (POST /cancel_future)
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True, "sample_cancel_max_batch_size": 64}
 
 
 @router.get("/get_server_capabilities")

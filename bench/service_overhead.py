@@ -6,11 +6,16 @@
 2. Futures per second with 32 concurrent clients (32 adapters, each submitting optim_step and
    waiting for it, in a loop).
 
-Both sides use the same number of torch threads (``--threads``; default: what `ember serve` gives
-an engine on the CPU, all cores but one).
+Both sides use the same device (``--device``, default cpu) and, on the CPU, the same number of torch
+threads (``--threads``; default: what `ember serve` gives an engine on the CPU, all cores but one).
 
-Usage: python bench/service_overhead.py [--steps 40] [--clients 32] [--rounds 10] [--threads N]
-Runs on the CPU; prints a markdown table.
+``--breakdown`` also prints where a step's time goes, from the server's JSON log: the API's time per
+route, the engine's pass and optim_step, and the wait between a forward_backward's answer and the
+start of its pass (doorbell, the engine's read and claim).
+
+Usage: python bench/service_overhead.py [--steps 40] [--clients 32] [--rounds 10] [--threads N] [--device D]
+       [--breakdown]
+Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def _batch(rng, n_datums=4, length=32):
     return seqs
 
 
-def in_process(model_dir: Path, steps: int, seqs, threads: int) -> list[float]:
+def in_process(model_dir: Path, steps: int, seqs, threads: int, device: str) -> list[float]:
     import torch
 
     from ember.core.adapters import LoraConfig
@@ -52,7 +57,7 @@ def in_process(model_dir: Path, steps: int, seqs, threads: int) -> list[float]:
     from ember.types import Datum, ForwardBackwardInput
 
     torch.set_num_threads(threads)  # the engine's count (ember.engine.service.cpu_threads)
-    worker = Worker.from_pretrained(model_dir, "cpu", torch.float32, max_adapters=4, max_rank=16)
+    worker = Worker.from_pretrained(model_dir, device, torch.float32, max_adapters=4, max_rank=16)
     slot = worker.create_adapter(LoraConfig(rank=8, alpha=32, seed=0))
     datums = [Datum(s[:-1], {"target_tokens": s[1:], "weights": np.ones(len(s) - 1, np.float32)}) for s in seqs]
     times = []
@@ -60,6 +65,8 @@ def in_process(model_dir: Path, steps: int, seqs, threads: int) -> list[float]:
         t0 = time.perf_counter()
         worker.forward_backward([ForwardBackwardInput(slot, datums)])
         worker.optim_step(slot, AdamParams(learning_rate=1e-4))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()  # the service's answer waits for the step too
         times.append(time.perf_counter() - t0)
     return times
 
@@ -119,6 +126,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of the engine and of the in-process baseline (default: ember serve's, "
                          "all cores but one)")
+    ap.add_argument("--device", default="cpu", help="torch device of both sides (default cpu; float32 on either)")
+    ap.add_argument("--breakdown", action="store_true", help="also print where the service's time goes (from its log)")
     args = ap.parse_args()
     from ember.engine.service import cpu_threads
 
@@ -133,8 +142,9 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     log = open(home / "server.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
     server = subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", "--home", str(home), "--no-auth",
-                               "--port", str(port), "--max-adapters", str(args.clients + 4), "--log-level", "WARNING",
-                               "--cpu-threads", str(threads)],
+                               "--port", str(port), "--max-adapters", str(args.clients + 4),
+                               "--log-level", "INFO" if args.breakdown else "WARNING",
+                               "--cpu-threads", str(threads), "--device", args.device, "--dtype", "float32"],
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         while True:
@@ -146,15 +156,17 @@ def main() -> None:
                 pass
             time.sleep(0.5)
         os.environ.update(TINKER_BASE_URL=base, TINKER_API_KEY="tml-bench", TINKER_TELEMETRY="0")
-        local = in_process(model_dir, args.steps, seqs, threads)
+        local = in_process(model_dir, args.steps, seqs, threads, args.device)
+        window = [time.time()]
         remote = through_sdk("ember-tiny-qwen3", args.steps, seqs)
+        window.append(time.time())
         fps = futures_per_second("ember-tiny-qwen3", args.clients, args.rounds)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
     med_local, med_remote = statistics.median(local[3:]), statistics.median(remote[3:])
     load1 = os.getloadavg()
-    print(f"torch threads {threads}; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end "
+    print(f"device {args.device}; torch threads {threads}; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end "
           f"({os.cpu_count()} cores)")
     print("| measurement | value |")
     print("|---|---|")
@@ -162,6 +174,43 @@ def main() -> None:
     print(f"| forward_backward + optim_step, SDK -> ember serve (median) | {med_remote * 1e3:.1f} ms |")
     print(f"| added by the service per step (2 futures) | {(med_remote - med_local) * 1e3:.1f} ms |")
     print(f"| futures/s, {args.clients} concurrent clients (optim_step round trips) | {fps:.0f} |")
+    if args.breakdown:
+        breakdown(home / "server.log", *window)
+
+
+def breakdown(log_path: Path, t0: float, t1: float) -> None:
+    """Median milliseconds of the SDK phase's requests (API side), packed passes, optim_step
+    operations, and the wait from a forward_backward's answer to the start of its pass."""
+    by: dict[str, list[float]] = {}
+    fb_ends, pass_starts = [], []
+    for line in log_path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not t0 <= rec.get("ts", 0) <= t1:
+            continue
+        if rec["msg"] == "request":
+            name = rec["path"].removeprefix("/api/v1/")
+            by.setdefault(f"API {name}", []).append(rec["ms"])
+            if name == "forward_backward":
+                fb_ends.append(rec["ts"])
+        elif rec["msg"] == "packed pass":
+            by.setdefault("engine: packed pass", []).append(rec["seconds"] * 1e3)
+            pass_starts.append(rec["ts"] - rec["seconds"])
+        elif rec["msg"] == "operation" and rec.get("op") == "optim_step":
+            by.setdefault("engine: optim_step", []).append(rec["seconds"] * 1e3)
+    waits = []
+    for start in pass_starts:
+        before = [t for t in fb_ends if t <= start]
+        if before:
+            waits.append((start - max(before)) * 1e3)
+    if waits:
+        by["forward_backward answered -> pass starts"] = waits
+    print("| where the time goes (SDK phase) | count | median ms |")
+    print("|---|---|---|")
+    for name, values in by.items():
+        print(f"| {name} | {len(values)} | {statistics.median(values):.2f} |")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class ForwardBackwardInput:
     loss_fn: str = "cross_entropy"
     loss_config: dict[str, float] = field(default_factory=dict)
     forward_only: bool = False
+    custom_loss: dict | None = None  # loss_fn "custom": the program (see ember.lossgraph)
 
 
 @dataclass

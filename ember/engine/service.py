@@ -186,7 +186,8 @@ class EngineService:
                 continue
             p = decode(payloads[f.id])  # type: ignore[arg-type]
             datums = [Datum(np.asarray(d["tokens"]), dict(d["loss_inputs"])) for d in p["datums"]]
-            requests.append(ForwardBackwardInput(slot, datums, p["loss_fn"], p["loss_config"], p["forward_only"]))
+            requests.append(ForwardBackwardInput(slot, datums, p["loss_fn"], p["loss_config"], p["forward_only"],
+                                                 p.get("custom_loss")))
         ready = [r for r in requests if r is not None]
         t0 = time.perf_counter()
         try:

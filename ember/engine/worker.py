@@ -27,8 +27,10 @@ from ember.core.optim import AdamParams
 from ember.core.peft_format import export_peft, import_peft
 from ember.core.sampling import InvalidGeneration, SamplerConfig, SamplingEngine
 from ember.core.sampling.requests import Detokenize
+from ember.engine.custom_loss import LossProgram
 from ember.engine.sampler import generation_request, sample_output
-from ember.lossdefs import LOSS_SPECS, resolve_loss_config
+from ember.lossdefs import LOSS_SPECS, LossSpec, resolve_loss_config
+from ember.lossgraph import ProgramError
 from ember.types import (
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -42,10 +44,12 @@ from ember.types import (
 class _Prepared:
     """A validated request, its datums as tensors."""
 
-    def __init__(self, index: int, req: ForwardBackwardInput, config: dict[str, float]):
+    def __init__(self, index: int, req: ForwardBackwardInput, config: dict[str, float],
+                 program: LossProgram | None = None):
         self.index = index
         self.req = req
         self.config = config
+        self.program = program  # loss_fn "custom"
         self.tokens: list[np.ndarray] = []
         self.targets: list[torch.Tensor] = []
         self.inputs: list[dict[str, torch.Tensor]] = []
@@ -146,18 +150,25 @@ class Worker:
     # -- forward / backward ---------------------------------------------------------------------
 
     def _prepare(self, index: int, req: ForwardBackwardInput) -> _Prepared:
-        try:
-            config = resolve_loss_config(req.loss_fn, req.loss_config)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+        program = None
+        if req.loss_fn == "custom":
+            if req.custom_loss is None:
+                raise InvalidRequest("loss_fn 'custom' needs the loss program (create_custom_loss)")
+            program = LossProgram(req.custom_loss, self.device)
+            config, spec = {}, LossSpec(inputs=("target_tokens",), allows_2d_targets=program.inputs[0]["rank"] == 2)
+        else:
+            try:
+                config = resolve_loss_config(req.loss_fn, req.loss_config)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+            spec = LOSS_SPECS[req.loss_fn]
         if req.slot and req.slot not in self.bank:
             raise InvalidRequest(f"adapter slot {req.slot} is empty")
         if not req.slot and not req.forward_only:
             raise InvalidRequest("the base model (slot 0) cannot be trained; use forward_only")
         if not req.datums:
             raise InvalidRequest("no datums")
-        spec = LOSS_SPECS[req.loss_fn]
-        prep = _Prepared(index, req, config)
+        prep = _Prepared(index, req, config, program)
         vocab = self.config.vocab_size
         for i, d in enumerate(req.datums):
             where = f"datum {i}"
@@ -193,6 +204,11 @@ class Worker:
                 inputs[key] = torch.as_tensor(arr, dtype=torch.float32)
             if "weights" in spec.optional_inputs and "weights" not in inputs:
                 inputs["weights"] = torch.ones(targets.shape, dtype=torch.float32)
+            if program is not None:
+                if targets.ndim != program.inputs[0]["rank"]:
+                    raise InvalidRequest(f"{where}: target_tokens has rank {targets.ndim}, but loss "
+                                         f"{program.name!r} takes logprobs of rank {program.inputs[0]['rank']}")
+                inputs = {x["name"]: _program_input(d.loss_inputs, x, where) for x in program.inputs[1:]}
             prep.tokens.append(tokens)
             prep.targets.append(torch.as_tensor(targets, dtype=torch.long))
             prep.inputs.append(inputs)
@@ -214,7 +230,7 @@ class Worker:
                 results[p.index] = out
         return results  # type: ignore[return-value]
 
-    def _run(self, prepared: list[_Prepared]) -> list[ForwardBackwardOutput]:
+    def _run(self, prepared: list[_Prepared]) -> list[ForwardBackwardOutput | RequestError]:
         sequences, keys, owners = [], [], []
         for p in prepared:
             for j, tokens in enumerate(p.tokens):
@@ -232,14 +248,16 @@ class Worker:
             for p in prepared:
                 lps = [_match(per_seq[cursor + j], t) for j, t in enumerate(p.targets)]
                 cursor += len(lps)
-                loss = _request_loss(p, lps, self.device)
-                if not p.req.forward_only:
+                try:
+                    loss, metrics = _request_loss(p, lps, self.device)
+                except ProgramError as e:  # a custom loss that fails at run time fails its own request
+                    outputs.append(RequestError(str(e)))
+                    continue
+                if not p.req.forward_only and loss.requires_grad:
                     total = loss if total is None else total + loss
+                metrics["loss:sum"] = float(loss.detach())
                 outputs.append(
-                    ForwardBackwardOutput(
-                        logprobs=[x.detach().float().cpu().numpy() for x in lps],
-                        metrics={"loss:sum": float(loss.detach())},
-                    )
+                    ForwardBackwardOutput(logprobs=[x.detach().float().cpu().numpy() for x in lps], metrics=metrics)
                 )
             if total is not None:
                 total.backward()
@@ -311,14 +329,42 @@ def _match(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return lp[:, : targets.shape[1]]
 
 
-def _request_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The request's summed loss: over the concatenated datums when all are 1-D, else per datum
-    (sums over tokens add up either way)."""
+def _request_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """The request's summed loss and its extra metrics. Built-in losses: over the concatenated
+    datums when all are 1-D, else per datum (sums over tokens add up either way). A custom loss
+    runs per datum; its ``:sum`` metrics add up over the datums and ``:mean`` ones are averaged."""
+    if p.program is not None:
+        losses, sums = [], {}
+        for lp, inp in zip(lps, p.inputs):
+            loss, metrics = p.program(lp, [inp[name].to(device) for name in p.program.input_names])
+            losses.append(loss.float())
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+        n = len(lps)
+        return torch.stack(losses).sum(), {k: v / n if k.endswith(":mean") else v for k, v in sums.items()}
     if all(x.dim() == 1 for x in lps):
         inputs = {k: torch.cat([inp[k] for inp in p.inputs]).to(device) for k in p.inputs[0]}
-        return loss_sum(p.req.loss_fn, torch.cat(lps), inputs, p.config)
+        return loss_sum(p.req.loss_fn, torch.cat(lps), inputs, p.config), {}
     parts = [
         loss_sum(p.req.loss_fn, x, {k: v.to(device) for k, v in inp.items()}, p.config)
         for x, inp in zip(lps, p.inputs)
     ]
-    return torch.stack(parts).sum()
+    return torch.stack(parts).sum(), {}
+
+
+def _program_input(loss_inputs: dict, spec: dict, where: str) -> torch.Tensor:
+    """A custom loss's input ``spec["name"]`` of one datum, at its declared rank (a rank-0 input
+    arrives as one value)."""
+    name, rank = spec["name"], spec["rank"]
+    if name not in loss_inputs:
+        raise InvalidRequest(f"{where}: the custom loss takes loss_fn_inputs[{name!r}], which the datum lacks")
+    arr = np.asarray(loss_inputs[name])
+    if rank == 0 and arr.size == 1:
+        arr = arr.reshape(())
+    if arr.ndim != rank:
+        raise InvalidRequest(f"{where}: loss_fn_inputs[{name!r}] has shape {list(arr.shape)}; the loss declared rank {rank}")
+    if arr.dtype.kind in "iub":
+        return torch.as_tensor(arr.astype(np.int64))
+    if arr.dtype.kind != "f" or not np.all(np.isfinite(arr)):
+        raise InvalidRequest(f"{where}: loss_fn_inputs[{name!r}] must hold finite numbers")
+    return torch.as_tensor(arr, dtype=torch.float32)

@@ -44,6 +44,8 @@ class EmberState:
     _doorbells: tuple[float, dict[str, int | None]] = (0.0, {})
     # models seen live, by id (see ``routes.common.hot_model``)
     models: dict[str, TrainingModel] = field(default_factory=dict)
+    # custom losses read from the store (immutable): loss_id -> (owner, program)
+    custom_losses: dict[str, tuple[str, dict]] = field(default_factory=dict)
     # requests this process just queued: id -> (owner, reply, monotonic time) (see ``remember``)
     submitted: dict[str, tuple[str, dict, float]] = field(default_factory=dict)
 
@@ -72,14 +74,17 @@ class EmberState:
 
 
 class BodyLimit:
-    """ASGI middleware: bodies over ``limit`` bytes get 413 with a JSON detail (declared or streamed)."""
+    """ASGI middleware: bodies over ``limit`` bytes get 413 with a JSON detail (declared or streamed).
+    Paths in ``own_limit`` enforce the limit themselves (forward_backward: to record the rejection
+    of the request the body names)."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, own_limit: tuple[str, ...] = ()):
         self.app = app
         self.limit = limit
+        self.own_limit = own_limit
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.own_limit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
@@ -219,9 +224,9 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         log.exception("unhandled error", extra={"path": request.url.path})
         return JSONResponse({"detail": f"internal server error: {type(exc).__name__}: {exc}"}, status_code=500)
 
-    for module in (service, training, futures, sampling, rest):
+    for module in (futures, training, sampling, service, rest):  # the hot routes are matched first
         app.include_router(module.router)
     app.include_router(metrics.router)
     app.add_middleware(AccessLog)
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, own_limit=("/api/v1/forward_backward",))
     return app

@@ -41,7 +41,8 @@ class _Bell(asyncio.DatagramProtocol):
 class FutureWaiter:
     """``await wait(request_id, timeout)`` returns once the request is done or failed: its
     :class:`~ember.doorbell.Outcome` when an engine's datagram carried it, else True (read the
-    store); False on timeout."""
+    store); False on timeout. ``await next_ring(timeout)`` returns on the next datagram of any kind
+    (callers that wait on a whole set of requests re-read the store themselves)."""
 
     def __init__(self, store: Store, interval_s: float = 0.025, notify: bool = True):
         self.store = store
@@ -50,6 +51,7 @@ class FutureWaiter:
         self.listener_id = f"api-{os.getpid()}-{secrets.token_hex(4)}"
         self.port: int | None = None
         self._waiters: dict[str, list[asyncio.Future]] = defaultdict(list)
+        self._ring_waiters: set[asyncio.Future] = set()  # ``next_ring`` callers: any datagram wakes them
         self._task: asyncio.Task | None = None
         self._rung: asyncio.Event | None = None
         self._transport: asyncio.DatagramTransport | None = None
@@ -67,9 +69,7 @@ class FutureWaiter:
         loop = asyncio.get_running_loop()
         self._rung = asyncio.Event()
         try:
-            self._transport, _ = await loop.create_datagram_endpoint(
-                lambda: _Bell(self), local_addr=("127.0.0.1", 0)
-            )
+            self._transport, _ = await loop.create_datagram_endpoint(lambda: _Bell(self), local_addr=("127.0.0.1", 0))
             self.port = self._transport.get_extra_info("sockname")[1]
             self._key = bytes.fromhex(await asyncio.to_thread(self.store.setting, RESULT_KEY_SETTING, _new_key))
             await self.refresh()
@@ -99,6 +99,10 @@ class FutureWaiter:
         waiters wake at once (callers re-read the store, which stays the record: a stray datagram
         only costs them a read); anything else starts a store read for every waiter."""
         self.rings += 1
+        for fut in self._ring_waiters:
+            if not fut.done():
+                fut.set_result(True)
+        self._ring_waiters.clear()
         outcomes = parse_results(self._key, data)
         if outcomes is not None:
             found: dict[str, Outcome | bool] = dict(outcomes)
@@ -129,6 +133,22 @@ class FutureWaiter:
         """Take before reading a future's state; pass to ``wait`` so that a notification that
         arrived in between (and found no waiter for it) is not missed."""
         return self.rings
+
+    async def next_ring(self, timeout_s: float, since: int | None = None) -> bool:
+        """Wait for the next datagram of any kind (some request finished somewhere): True when one
+        came, False after ``timeout_s``. For waits on many requests at once (``retrieve_futures``)
+        that re-read the store on each ring, at no cost to the waiter's poll. ``since`` (a
+        ``mark`` taken before the caller's read): True at once if a datagram came after it."""
+        if since is not None and since != self.rings:
+            return True
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._ring_waiters.add(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            self._ring_waiters.discard(fut)
 
     async def wait(self, request_id: str, timeout_s: float, since: int | None = None) -> Outcome | bool:
         loop = asyncio.get_running_loop()

@@ -107,6 +107,8 @@ class Future(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # retrieve_futures: the cursor under which this finished sampling request was last reported
+    reported: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("model_id", "seq_id", name="uq_futures_model_seq"),
@@ -150,6 +152,24 @@ class SamplingSession(Base):
     weights_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
     source_model_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    clients: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # join_sampling_session count
+
+
+class CustomLoss(Base):
+    """A loss uploaded with ``create_custom_loss``: the traced graph as plain data (spec §2 #24),
+    rebuilt by the engine from its allow-list; usable by the models of its session."""
+
+    __tablename__ = "custom_losses"
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(32), index=True)
+    session_id: Mapped[str] = mapped_column(String(64))
+    seq: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(200))
+    inputs: Mapped[list] = mapped_column(JSON)  # [{"name", "rank"}], logprobs first
+    graph: Mapped[dict] = mapped_column(JSON)  # {"format": 1, "nodes": [...]}
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (UniqueConstraint("session_id", "seq", name="uq_custom_losses_session_seq"),)
 
 
 class EngineRecord(Base):

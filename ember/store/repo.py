@@ -27,6 +27,7 @@ from ember.store.db import connect, migrate, writer
 from ember.store.models import (
     ApiKey,
     Checkpoint,
+    CustomLoss,
     EngineRecord,
     Future,
     ResultListener,
@@ -88,16 +89,30 @@ class ModelCursor:
 
 
 # the columns of a PendingFuture, in its field order (the engine's queue reads)
-_PENDING_COLUMNS = (Future.id, Future.op, Future.model_id, Future.sampler_id, Future.seq_id, Future.n_tokens,
-                    Future.created_at)
+_PENDING_COLUMNS = (
+    Future.id,
+    Future.op,
+    Future.model_id,
+    Future.sampler_id,
+    Future.seq_id,
+    Future.n_tokens,
+    Future.created_at,
+)
 
 # Prebuilt statements of the hot paths (a submit, an engine tick): Core statements on the tables,
 # compiled once and cached, instead of ORM units of work.
 _FUTURES = Future.__table__
 _MODELS = TrainingModel.__table__
 _MODEL_STATE = (
-    select(TrainingModel.next_seq, TrainingModel.status, TrainingModel.status_detail, TrainingModel.owner,
-           Session.id.label("session_id"), Session.status.label("session_status"), Session.end_reason)
+    select(
+        TrainingModel.next_seq,
+        TrainingModel.status,
+        TrainingModel.status_detail,
+        TrainingModel.owner,
+        Session.id.label("session_id"),
+        Session.status.label("session_status"),
+        Session.end_reason,
+    )
     .outerjoin(Session, Session.id == TrainingModel.session_id)
     .where(TrainingModel.id == bindparam("mid"))
 )
@@ -111,16 +126,24 @@ _PENDING_WITH_CURSORS = (
 _TOUCH_MODEL = update(_MODELS).where(_MODELS.c.id == bindparam("mid")).values(last_request_time=bindparam("now"))
 _INSERT_FUTURE = insert(_FUTURES)
 _FINISH_DONE = (
-    update(_FUTURES).where(_FUTURES.c.id == bindparam("fid"))
+    update(_FUTURES)
+    .where(_FUTURES.c.id == bindparam("fid"))
     .values(state="done", result=bindparam("result"), finished_at=bindparam("now"), payload=None)
 )
 _FINISH_FAILED = (
-    update(_FUTURES).where(_FUTURES.c.id == bindparam("fid"))
-    .values(state="failed", error=bindparam("error"), category=bindparam("category"), finished_at=bindparam("now"),
-            payload=None)
+    update(_FUTURES)
+    .where(_FUTURES.c.id == bindparam("fid"))
+    .values(
+        state="failed",
+        error=bindparam("error"),
+        category=bindparam("category"),
+        finished_at=bindparam("now"),
+        payload=None,
+    )
 )
 _ADVANCE = (
-    update(_MODELS).where(_MODELS.c.id == bindparam("mid"), _MODELS.c.next_seq < bindparam("nxt"))
+    update(_MODELS)
+    .where(_MODELS.c.id == bindparam("mid"), _MODELS.c.next_seq < bindparam("nxt"))
     .values(next_seq=bindparam("nxt"))
 )
 
@@ -131,7 +154,9 @@ _CLAIM_NEXT = (  # a model's next request if it is an op and the model is active
         _FUTURES.c.seq_id == bindparam("nxt"),
         _FUTURES.c.state == "pending",
         _FUTURES.c.op != "forward_backward",
-        _FUTURES.c.model_id.in_(select(_MODELS.c.id).where(_MODELS.c.id == bindparam("mid"), _MODELS.c.status == "active")),
+        _FUTURES.c.model_id.in_(
+            select(_MODELS.c.id).where(_MODELS.c.id == bindparam("mid"), _MODELS.c.status == "active")
+        ),
     )
     .values(state="running", started_at=bindparam("now"))
     .returning(*(_FUTURES.c[c.key] for c in _PENDING_COLUMNS), _FUTURES.c.payload)
@@ -457,6 +482,57 @@ class Store:
         with self.read() as s:
             return s.scalar(self._keyed_query(model_id, sampler_id, seq_id))
 
+    # -- custom losses ----------------------------------------------------------------------------
+
+    def create_custom_loss(self, *, owner: str, session_id: str, seq: int, program: dict) -> str:
+        """Store a loss uploaded with ``create_custom_loss`` (``program``: validated by
+        :func:`ember.lossgraph.validate_program`) as ``{session}:loss:{seq}`` and return the id of its
+        future, finished at once with ``{"loss_id"}``. A resubmission of ``(session, seq)`` returns
+        the same future."""
+        loss_id = f"{session_id}:loss:{seq}"
+        fid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"ember-custom-loss:{loss_id}"))
+        try:
+            with self.write() as s:
+                if s.get(CustomLoss, loss_id) is not None:
+                    return fid
+                now = utcnow()
+                s.add(
+                    CustomLoss(
+                        id=loss_id,
+                        owner=owner,
+                        session_id=session_id,
+                        seq=seq,
+                        name=program["name"],
+                        inputs=program["inputs"],
+                        graph={"nodes": program["nodes"]},
+                        created_at=now,
+                    )
+                )
+                s.flush()
+                s.add(
+                    Future(
+                        id=fid,
+                        owner=owner,
+                        base_model="",
+                        op="create_custom_loss",
+                        state="done",
+                        reply={"loss_id": loss_id, "type": "create_custom_loss"},
+                        created_at=now,
+                        finished_at=now,
+                    )
+                )
+        except IntegrityError:  # a concurrent resubmission stored it first
+            pass
+        return fid
+
+    def get_custom_loss(self, loss_id: str, owner: str) -> dict | None:
+        """The owner's loss ``loss_id`` as a program (``{"name", "inputs", "nodes", "session_id"}``)."""
+        with self.read() as s:
+            row = s.get(CustomLoss, loss_id)
+            if row is None or row.owner != owner:
+                return None
+            return {"name": row.name, "inputs": row.inputs, "nodes": row.graph["nodes"], "session_id": row.session_id}
+
     def submit(
         self,
         *,
@@ -493,7 +569,9 @@ class Store:
                         return fid
                 if m is not None:
                     if seq_id is not None and seq_id < m.next_seq:
-                        raise Conflict(f"seq_id {seq_id} of model {model_id} was already executed (next is {m.next_seq})")
+                        raise Conflict(
+                            f"seq_id {seq_id} of model {model_id} was already executed (next is {m.next_seq})"
+                        )
                     s.execute(_TOUCH_MODEL, {"mid": model_id, "now": utcnow()})
                 if checkpoint is not None and rejected is None:
                     self._register_checkpoint(s, checkpoint, overwrite)
@@ -503,11 +581,21 @@ class Store:
                 s.execute(
                     _INSERT_FUTURE,
                     {
-                        "id": fid, "owner": owner, "base_model": base_model, "op": op, "model_id": model_id,
-                        "sampler_id": sampler_id, "seq_id": seq_id, "n_tokens": n_tokens,
-                        "state": "failed" if failed else "pending", "payload": None if failed else payload,
-                        "reply": reply, "error": rejected, "category": "user" if failed else None,
-                        "created_at": now, "finished_at": now if failed else None,
+                        "id": fid,
+                        "owner": owner,
+                        "base_model": base_model,
+                        "op": op,
+                        "model_id": model_id,
+                        "sampler_id": sampler_id,
+                        "seq_id": seq_id,
+                        "n_tokens": n_tokens,
+                        "state": "failed" if failed else "pending",
+                        "payload": None if failed else payload,
+                        "reply": reply,
+                        "error": rejected,
+                        "category": "user" if failed else None,
+                        "created_at": now,
+                        "finished_at": now if failed else None,
                     },
                 )
                 return fid
@@ -534,10 +622,10 @@ class Store:
             # (nothing cancelled) or finds the row failed
             done = s.execute(
                 update(Future)
-                .where(Future.id == request_id, Future.owner == owner, Future.op == "sample",
-                       Future.state == "pending")
-                .values(state="failed", error="cancelled by the client", category="user", payload=None,
-                        finished_at=utcnow())
+                .where(Future.id == request_id, Future.owner == owner, Future.op == "sample", Future.state == "pending")
+                .values(
+                    state="failed", error="cancelled by the client", category="user", payload=None, finished_at=utcnow()
+                )
             ).rowcount
             if done:
                 return True
@@ -737,7 +825,9 @@ class Store:
                 s.add(ResultListener(id=listener_id, host=host, port=port, heartbeat_at=now))
             else:
                 row.host, row.port, row.heartbeat_at = host, port, now
-            s.execute(delete(ResultListener).where(ResultListener.heartbeat_at < now - timedelta(seconds=stale_after_s)))
+            s.execute(
+                delete(ResultListener).where(ResultListener.heartbeat_at < now - timedelta(seconds=stale_after_s))
+            )
 
     def unlisten_results(self, listener_id: str) -> None:
         with self.write() as s:
@@ -804,7 +894,9 @@ class Store:
             if model_id is not None:
                 q = q.where(Checkpoint.model_id == model_id)
             total = s.scalar(select(func.count()).select_from(q.subquery())) or 0
-            rows = s.scalars(q.order_by(Checkpoint.created_at.desc(), Checkpoint.tinker_path).limit(limit).offset(offset))
+            rows = s.scalars(
+                q.order_by(Checkpoint.created_at.desc(), Checkpoint.tinker_path).limit(limit).offset(offset)
+            )
             return list(rows), total
 
     def update_checkpoint(self, tinker_path: str, owner: str, **values) -> Checkpoint | None:
@@ -852,17 +944,39 @@ class Store:
                 raise Conflict(f"checkpoint {path} already exists")
             if s.get(TrainingModel, run_id) is not None:
                 raise Conflict(f"training run {run_id} already exists")
-            s.add(TrainingModel(
-                id=run_id, session_id=session_id, owner=owner, base_model=src.base_model, lora=src.lora,
-                optimizer_config=src.optimizer_config, user_metadata={"copied_from": source_path},
-                status="unloaded", status_detail=f"a copy of {source_path}: weights only, it cannot be trained",
-                next_seq=0, created_at=now, last_request_time=now,
-            ))
+            s.add(
+                TrainingModel(
+                    id=run_id,
+                    session_id=session_id,
+                    owner=owner,
+                    base_model=src.base_model,
+                    lora=src.lora,
+                    optimizer_config=src.optimizer_config,
+                    user_metadata={"copied_from": source_path},
+                    status="unloaded",
+                    status_detail=f"a copy of {source_path}: weights only, it cannot be trained",
+                    next_seq=0,
+                    created_at=now,
+                    last_request_time=now,
+                )
+            )
             copy = Checkpoint(
-                tinker_path=path, owner=owner, model_id=run_id, kind=src.kind, name=src.name, uri=src.uri,
-                state="ready", base_model=src.base_model, lora=src.lora, optimizer_config=src.optimizer_config,
-                user_metadata=src.user_metadata, size_bytes=src.size_bytes, public=False, encrypted=src.encrypted,
-                created_at=now, expires_at=expires_at,
+                tinker_path=path,
+                owner=owner,
+                model_id=run_id,
+                kind=src.kind,
+                name=src.name,
+                uri=src.uri,
+                state="ready",
+                base_model=src.base_model,
+                lora=src.lora,
+                optimizer_config=src.optimizer_config,
+                user_metadata=src.user_metadata,
+                size_bytes=src.size_bytes,
+                public=False,
+                encrypted=src.encrypted,
+                created_at=now,
+                expires_at=expires_at,
             )
             s.add(copy)
             s.flush()
@@ -911,3 +1025,61 @@ class Store:
         with self.read() as s:
             row = s.get(SamplingSession, sampler_id)
             return row if row is not None and (owner is None or row.owner == owner) else None
+
+    # A sampler's clients number their requests in blocks: client (clone) k uses seq_ids
+    # [k * CLONE_SPAN, (k + 1) * CLONE_SPAN); the original client is 0 (spec §1.8).
+    CLONE_SPAN = 1_000_000_000
+
+    def join_sampler(self, sampler_id: str, owner: str) -> int | None:
+        """``join_sampling_session``: a new client number of ``owner``'s sampler (1, 2, 3, ...; the
+        original client is 0), counted by one atomic increment, so concurrent joins, from any API
+        process, never share one. ``None`` if the sampler is not ``owner``'s; :class:`Conflict`
+        (nothing counted) past ``CLONE_SPAN - 1`` clients, whose seq_id blocks would overflow a
+        64-bit integer."""
+        table = SamplingSession.__table__
+        with self.write() as s:
+            counter = s.scalar(
+                update(table)
+                .where(table.c.id == sampler_id, table.c.owner == owner)
+                .values(clients=table.c.clients + 1)
+                .returning(table.c.clients)
+            )
+            if counter is not None and counter >= self.CLONE_SPAN:
+                raise Conflict(f"sampler {sampler_id} already has {self.CLONE_SPAN - 1} clients; create a new one")
+            return counter
+
+    def sampler_completions(
+        self, sampler_id: str, owner: str, clone: int, prev_cursor: int
+    ) -> tuple[list[tuple[str, str]], int] | None:
+        """``retrieve_futures`` for client ``clone`` of ``owner``'s sampler: ``(completions,
+        cursor)`` with ``completions`` = ``(request_id, state)`` (``done`` or ``failed``) in seq_id
+        order; ``None`` if the sampler is not ``owner``'s.
+
+        An answer stamps the requests it reports (``futures.reported``) with its cursor
+        ``prev_cursor + 1``, in one statement. A poll with ``prev_cursor = c`` reports the finished
+        requests not stamped yet or stamped after ``c``: the client has seen every answer up to its
+        cursor, and a poll re-sent after a lost answer gets the same completions again (restamped
+        alike). Without any, the cursor stays ``prev_cursor``. The common empty poll only reads
+        (no write lock)."""
+        lo = clone * self.CLONE_SPAN
+        unseen = (
+            (_FUTURES.c.sampler_id == sampler_id)
+            & (_FUTURES.c.seq_id >= lo)
+            & (_FUTURES.c.seq_id < lo + self.CLONE_SPAN)
+            & _FUTURES.c.state.in_(("done", "failed"))
+            & (_FUTURES.c.reported.is_(None) | (_FUTURES.c.reported > prev_cursor))
+        )
+        with self.read() as s:
+            if s.scalar(select(SamplingSession.owner).where(SamplingSession.id == sampler_id)) != owner:
+                return None
+            if s.scalar(select(_FUTURES.c.id).where(unseen).limit(1)) is None:
+                return [], prev_cursor
+        with self.write() as s:
+            rows = s.execute(
+                update(_FUTURES)
+                .where(unseen)
+                .values(reported=prev_cursor + 1)
+                .returning(_FUTURES.c.id, _FUTURES.c.state, _FUTURES.c.seq_id)
+            ).all()
+        rows.sort(key=lambda r: r.seq_id)
+        return [(r.id, r.state) for r in rows], prev_cursor + 1 if rows else prev_cursor

@@ -4,7 +4,8 @@ One server per test session serves a tiny random Qwen3 and a tiny Qwen3-MoE, eac
 built tokenizer, on the database backend of ``tests.store.backend`` (SQLite, or PostgreSQL with
 ``EMBER_TEST_POSTGRES_URL``). Checkpoints go through fsspec (a ``file://`` URL) on SQLite and a plain
 folder on PostgreSQL, so each CI backend run covers one storage kind. Extra API-only processes on
-the same database serve other client flags (chunk size, zstd, serial chunks). Each scenario runs
+the same database serve other client flags (chunk size, zstd, serial chunks, retrieve_futures +
+join_sampling_session, server-side custom losses). Each scenario runs
 the official SDK in its own subprocess (the SDK keeps process-wide singletons).
 """
 
@@ -114,7 +115,9 @@ def server(tmp_path_factory):
             _wait_ready(base, proc, log, engines=True)
             flags = {"chunk2": {"fwdbwd_max_chunk_len": 2},
                      "serial": {"fwdbwd_max_chunk_len": 2, "parallel_fwdbwd_chunks": False},
-                     "zstd": {"fwdbwd_max_chunk_len": 3, "proto_compress_fwdbwd": True}}
+                     "zstd": {"fwdbwd_max_chunk_len": 3, "proto_compress_fwdbwd": True},
+                     "futures": {"sample_use_retrieve_futures": True, "sample_join_sampling_session": True},
+                     "custom_loss": {"custom_loss_server_side": True}}
             extra = {}
             for name, cfg in flags.items():
                 p = free_port()

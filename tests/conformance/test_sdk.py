@@ -21,7 +21,7 @@ def test_stage5_rl_losses(server):
     run_scenario(server, "s5_rl_losses")
 
 
-def test_stage6_client_side_custom_loss(server):
+def test_stage6_custom_losses_client_and_server_side(server):
     run_scenario(server, "s6_custom_loss")
 
 
@@ -45,3 +45,8 @@ def test_two_clients_train_concurrently_and_get_what_they_get_alone(server):
 def test_engine_death_fails_pending_requests_and_restarts(server):
     """Last: it loses every model of the Qwen3 engine."""
     run_scenario(server, "s_engine_death")
+
+
+def test_stage7_sampling_with_retrieve_futures_and_join(server):
+    """The flag run of stage 7: sample_use_retrieve_futures + sample_join_sampling_session."""
+    run_scenario(server, "s7_flags")

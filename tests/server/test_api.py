@@ -126,6 +126,10 @@ def test_bad_input_gets_a_4xx_with_a_json_detail_never_409(env):
         (_post_proto(client, alice, _fwdbwd_body("s:train:9", 1)), 404),
         (_post_proto(client, alice, b"x" * 300_000), 413),
         (_post_proto(client, alice, zstandard.ZstdCompressor().compress(b"\0" * 1_000_000), **{"Content-Encoding": "zstd"}), 413),
+        # too large to read, plain or once decompressed: the request the body starts with takes its seq_id
+        (_post_proto(client, alice, _fwdbwd_body(model_id, 5, tokens=(1,) * 60_000, targets=(2,) * 60_000)), 413),
+        (_post_proto(client, alice, zstandard.ZstdCompressor().compress(
+            _fwdbwd_body(model_id, 6, tokens=(1,) * 60_000, targets=(2,) * 60_000)), **{"Content-Encoding": "zstd"}), 413),
         (client.post("/api/v1/save_weights", json={"model_id": model_id, "path": "../../etc", "seq_id": 4}, headers=h(alice)), 400),
         (client.post("/api/v1/save_weights", json={"model_id": model_id, "path": "ok", "seq_id": 4, "ttl_seconds": 5}, headers=h(alice)), 400),
         (client.post("/api/v1/load_weights", json={"session_id": session, "model_seq_id": 3, "path": "file:///etc/passwd"}, headers=h(alice)), 400),
@@ -138,10 +142,10 @@ def test_bad_input_gets_a_4xx_with_a_json_detail_never_409(env):
     for i, (r, status) in enumerate(cases):
         assert r.status_code == status, (i, r.status_code, r.text)
         assert r.json()["detail"], i
-    # Rejected requests still took their seq_ids (forward_backward 1-3, save_weights 4): the engine
-    # fails them in order, so the model's later requests are not held up.
+    # Rejected requests still took their seq_ids (forward_backward 1-3, 5-6, save_weights 4): the
+    # engine fails them in order, so the model's later requests are not held up.
     rows = [p for p in store.pending(BASE) if p.model_id == model_id]
-    assert [(p.op, p.seq_id) for p in rows] == [("rejected", 1), ("rejected", 2), ("rejected", 3), ("rejected", 4)]
+    assert sorted((p.op, p.seq_id) for p in rows) == [("rejected", i) for i in range(1, 7)]
 
 
 def test_submits_are_idempotent_and_name_clashes_are_400(env):

@@ -1,7 +1,9 @@
-"""``POST /api/v1/retrieve_future``: long-poll for a request's result (spec §1.5).
+"""``POST /api/v1/retrieve_future``: long-poll for a request's result (spec §1.5), and
+``POST /api/v1/retrieve_futures``: long-poll for the finished requests of a sampling client
+(spec §1.6, flag ``sample_use_retrieve_futures``).
 
-Held open until the request finishes or ``long_poll_s`` (default 25 s, below the SDK's 45 s read
-timeout) passes, then ``try_again``. Failures are ``{"error", "category"}``; forward/backward and
+``retrieve_future`` is held open until the request finishes or ``long_poll_s`` (default 25 s,
+below the SDK's 45 s read timeout) passes, then answers ``try_again``. Failures are ``{"error", "category"}``; forward/backward and
 sample results are protobuf, everything else JSON."""
 
 from __future__ import annotations
@@ -108,3 +110,40 @@ async def retrieve_future(body: schemas.RetrieveFutureRequest, request: Request,
         if answer is None:  # purged meanwhile (cannot happen within the retention window)
             raise not_found(f"request {body.request_id!r}")
     return answer
+
+
+def _completion(request_id: str, state: str) -> dict:
+    """The SDK's ``FutureCompletion`` for a request that is ``done`` or ``failed``."""
+    if state == "failed":
+        return {"state": "failed", "request_id": request_id}
+    # the payload size is optional: the SDK then fetches the result without reserving its size
+    return {"state": "finished", "request_id": request_id, "response_payload_uncompressed_size": None}
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures(
+    body: schemas.RetrieveFuturesRequest, request: Request, owner: str = Depends(require_owner)
+) -> dict:
+    """The sampling requests of one client of a sampler that finished since ``prev_cursor``, and
+    the cursor to send next (see ``Store.sampler_completions``); the SDK then fetches each result
+    with ``retrieve_future``. Held open (up to ``long_poll_s``, or ``timeout`` if shorter) until
+    one exists; ``timeout: 0`` answers at once. Re-reads the store whenever an engine's datagram
+    says something finished, and at the latest every two waiter intervals (engines on other hosts,
+    lost datagrams). ``retrieved_request_ids`` needs nothing: finished futures are purged after
+    the retention window anyway."""
+    st = ember(request)
+    target = body.target
+    wait_s = st.config.long_poll_s if body.timeout is None else min(body.timeout, st.config.long_poll_s)
+    deadline = time.monotonic() + wait_s
+    while True:
+        mark = st.waiter.mark()  # before the read: a request finishing during it rings after the mark
+        found = await run_in_threadpool(
+            st.store.sampler_completions, target.sampling_session_id, owner, target.cloned_sampler_id, body.prev_cursor
+        )
+        if found is None:
+            raise not_found(f"sampler {target.sampling_session_id!r}")
+        completions, cursor = found
+        left = deadline - time.monotonic()
+        if completions or left <= 0:
+            return {"completions": [_completion(rid, state) for rid, state in completions], "cursor": cursor}
+        await st.waiter.next_ring(min(left, st.waiter.interval_s * 2), since=mark)

@@ -1,10 +1,12 @@
 """Sampling endpoints: create_sampling_session (base model, or a checkpoint's weights),
-samplers/{id}, and asample (a future whose result is a protobuf ``SampleResponse``).
-``compute_logprobs`` is ``asample`` with ``max_tokens=1`` and prompt logprobs."""
+samplers/{id}, join_sampling_session (a client number for an unpickled SamplingClient), and asample
+(a future whose result is a protobuf ``SampleResponse``). ``compute_logprobs`` is ``asample`` with
+``max_tokens=1`` and prompt logprobs."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
 
 from ember.server.auth import require_owner
 from ember.server.errors import ApiError, bad_request, not_found
@@ -13,6 +15,7 @@ from ember.server.wire import schemas
 from ember.server.wire.sampling import decode_sample_request
 from ember.server.wire.training import WireError
 from ember.store.payload import encode
+from ember.store.repo import Conflict
 
 router = APIRouter(prefix="/api/v1")
 
@@ -44,8 +47,14 @@ def create_sampling_session(
         raise bad_request("create_sampling_session needs base_model or model_path")
     served_model(st, base)
     require_sampling(st, base)
-    sid = st.store.create_sampling_session(owner=owner, session_id=body.session_id, seq=body.sampling_session_seq_id,
-                                           base_model=base, model_path=model_path, weights_uri=weights_uri)
+    sid = st.store.create_sampling_session(
+        owner=owner,
+        session_id=body.session_id,
+        seq=body.sampling_session_seq_id,
+        base_model=base,
+        model_path=model_path,
+        weights_uri=weights_uri,
+    )
     return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
 
@@ -57,9 +66,33 @@ def get_sampler(sampler_id: str, request: Request, owner: str = Depends(require_
     return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
 
 
-@router.post("/asample")
-def asample(body: schemas.SampleRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+@router.post("/join_sampling_session")
+def join_sampling_session(
+    body: schemas.JoinSamplingSessionRequest, request: Request, owner: str = Depends(require_owner)
+) -> dict:
+    """A client number unique within the sampler (flag ``sample_join_sampling_session``): an
+    unpickled SamplingClient numbers its requests ``1e9 * client_counter + k``, so that copies
+    never collide on seq_ids (the original client is 0; joins get 1, 2, 3, ...)."""
     st = ember(request)
+    sampler = st.store.get_sampling_session(body.sampling_session_id, owner)
+    if sampler is None:
+        raise not_found(f"sampler {body.sampling_session_id!r}")
+    active_session(st, owner, sampler.session_id)
+    try:
+        counter = st.store.join_sampler(sampler.id, owner)
+    except Conflict as e:
+        raise bad_request(str(e)) from None
+    if counter is None:
+        raise not_found(f"sampler {body.sampling_session_id!r}")
+    return {"client_counter": counter, "type": "join_sampling_session"}
+
+
+@router.post("/asample")
+async def asample(body: schemas.SampleRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    return await run_in_threadpool(_submit_sample, ember(request), owner, body)  # one thread-pool hop
+
+
+def _submit_sample(st, owner: str, body: schemas.SampleRequest) -> dict:
     if body.sampling_session_id is None:
         raise bad_request("asample needs sampling_session_id (create one with create_sampling_session)")
     sampler = st.store.get_sampling_session(body.sampling_session_id, owner)
@@ -73,6 +106,15 @@ def asample(body: schemas.SampleRequest, request: Request, owner: str = Depends(
         raise bad_request(str(e)) from None
     kind = "snapshot" if sampler.source_model_id else ("checkpoint" if sampler.weights_uri else "base")
     payload.update(kind=kind, weights_uri=sampler.weights_uri, model_path=sampler.model_path)
-    rid = submit(st, owner=owner, base_model=sampler.base_model, op="sample", payload=encode(payload),
-                 sampler_id=sampler.id, seq_id=body.seq_id, n_tokens=cost, reply={"proto": "sample", "layout": layout})
+    rid = submit(
+        st,
+        owner=owner,
+        base_model=sampler.base_model,
+        op="sample",
+        payload=encode(payload),
+        sampler_id=sampler.id,
+        seq_id=body.seq_id,
+        n_tokens=cost,
+        reply={"proto": "sample", "layout": layout},
+    )
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}

@@ -11,6 +11,7 @@ import secrets
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 
+from ember.lossgraph import ProgramError, validate_program
 from ember.server.auth import require_owner
 from ember.server.errors import ApiError, bad_request
 from ember.server.routes.common import (
@@ -21,6 +22,7 @@ from ember.server.routes.common import (
     hot_model,
     live_model,
     readable_checkpoint,
+    reject,
     sequenced,
     served_model,
     submit,
@@ -28,7 +30,15 @@ from ember.server.routes.common import (
 )
 from ember.server.routes.sampling import require_sampling
 from ember.server.wire import schemas
-from ember.server.wire.training import WireError, decode_forward_backward, decompress_zstd, parse_forward_backward
+from ember.server.wire.training import (
+    WireError,
+    custom_loss_id,
+    decode_forward_backward,
+    decompress_zstd,
+    leading_ids,
+    parse_forward_backward,
+    zstd_prefix,
+)
 from ember.store.models import Checkpoint, TrainingModel
 from ember.store.payload import encode
 from ember.store.repo import Conflict, utcnow
@@ -131,22 +141,71 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
         raise bad_request(
             f"forward_backward takes a protobuf body (Content-Type: application/x-protobuf, tinker>=0.25), got {ctype!r}"
         )
-    body = await request.body()
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity", "zstd"):
+        raise bad_request(f"Content-Encoding {encoding!r} is not supported (use zstd or none)")
+    limit = st.config.max_body_bytes
+    body, whole = await _read_body(request, limit)
+    if not whole:
+        await run_in_threadpool(_reject_oversized, st, owner, body, encoding, f"request body exceeds {limit} bytes")
     if encoding == "zstd":
         try:
-            body = await run_in_threadpool(decompress_zstd, body, st.config.max_body_bytes)
+            body = await run_in_threadpool(decompress_zstd, body, limit)
         except OverflowError as e:
-            raise ApiError(413, str(e)) from None
+            await run_in_threadpool(_reject_oversized, st, owner, body, encoding, str(e))
         except WireError as e:
             raise bad_request(str(e)) from None
-    elif encoding not in ("", "identity"):
-        raise bad_request(f"Content-Encoding {encoding!r} is not supported (use zstd or none)")
     try:
         msg = parse_forward_backward(body)
     except WireError as e:
         raise bad_request(str(e)) from None
     return await run_in_threadpool(_submit_forward_backward, st, owner, msg)
+
+
+async def _read_body(request: Request, limit: int, prefix: int = 4096) -> tuple[bytes, bool]:
+    """``(body, True)``, or ``(first bytes, False)`` once the body is known to exceed ``limit``."""
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    chunks, seen = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        seen += len(chunk)
+        if seen > limit or (too_big and seen >= prefix):
+            return b"".join(chunks)[:prefix], False
+    return b"".join(chunks), not too_big
+
+
+def _reject_oversized(st, owner: str, body: bytes, encoding: str, message: str) -> None:
+    """Raise 413 for a body over the limit; first record the request its first bytes name as
+    rejected, so that it still takes its seq_id and the model's later requests are not held up."""
+    ids = leading_ids(zstd_prefix(body) if encoding == "zstd" else body)
+    if ids is not None:
+        model = st.store.get_model(ids[0], owner)
+        if model is not None and model.status == "active" and ids[1] >= 1:
+            reject(st, owner, model, "forward_backward", ids[1], message)
+    raise ApiError(413, message)
+
+
+def _custom_loss(st, owner: str, model: TrainingModel, msg) -> dict | None:
+    """The program of a ``loss_fn="custom"`` request (None for built-in losses); 400 unless its
+    ``loss_id`` is a loss of the model's session."""
+    try:
+        loss_id = custom_loss_id(msg)
+    except WireError as e:
+        raise bad_request(str(e)) from None
+    if loss_id is None:
+        return None
+    cached = st.custom_losses.get(loss_id)
+    program = cached[1] if cached is not None and cached[0] == owner else st.store.get_custom_loss(loss_id, owner)
+    if program is None:
+        raise bad_request(f"unknown loss_id {loss_id!r}; create it with create_custom_loss")
+    if cached is None:
+        if len(st.custom_losses) >= 4096:
+            st.custom_losses.clear()
+        st.custom_losses[loss_id] = (owner, program)  # a stored loss never changes
+    if program["session_id"] != model.session_id:
+        raise bad_request(f"loss {loss_id!r} belongs to another session; create it in this model's session")
+    return program
 
 
 def _submit_forward_backward(st, owner: str, msg) -> dict:
@@ -156,8 +215,9 @@ def _submit_forward_backward(st, owner: str, msg) -> dict:
             live_model(st, owner, model.id)
         raise bad_request(f"seq_id must be >= 1, got {msg.seq_id}")
     with sequenced(st, owner, model, "forward_backward", msg.seq_id, checked):
+        program = _custom_loss(st, owner, model, msg)
         try:
-            decoded = decode_forward_backward(msg, st.config.models[model.base_model].limits)
+            decoded = decode_forward_backward(msg, st.config.models[model.base_model].limits, program)
         except WireError as e:
             raise bad_request(str(e)) from None
         rid = submit(
@@ -168,9 +228,31 @@ def _submit_forward_backward(st, owner: str, msg) -> dict:
     return _accepted(rid, model.id)
 
 
-@router.post("/optim_step")
-def optim_step(body: schemas.OptimStepRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+@router.post("/create_custom_loss")
+def create_custom_loss(body: schemas.CreateCustomLossRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Store a loss traced by the SDK (``ServiceClient.create_custom_loss`` with the client flag
+    ``custom_loss_server_side``); ``forward_backward`` with ``loss_fn="custom"`` and its ``loss_id``
+    then runs it in the engine, one call per datum, summed. Checked here against the allow-list of
+    :mod:`ember.lossgraph`; the future is finished at once with ``{"loss_id"}``."""
     st = ember(request)
+    active_session(st, owner, body.session_id)
+    try:
+        program = validate_program(body.name, body.inputs, body.graph)
+    except ProgramError as e:
+        raise bad_request(f"create_custom_loss: {e}") from None
+    rid = st.store.create_custom_loss(owner=owner, session_id=body.session_id, seq=body.custom_loss_seq_id,
+                                      program=program)
+    return {"request_id": rid}
+
+
+@router.post("/optim_step")
+async def optim_step(body: schemas.OptimStepRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    # async with one thread-pool hop for the store (a sync route would take a second one to
+    # serialise its answer): this route is on every training step's path
+    return await run_in_threadpool(_submit_optim_step, ember(request), owner, body)
+
+
+def _submit_optim_step(st, owner: str, body: schemas.OptimStepRequest) -> dict:
     model, checked = hot_model(st, owner, body.model_id)
     with sequenced(st, owner, model, "optim_step", body.seq_id, checked):
         params = body.adam_params.model_dump() if body.adam_params else (body.optim_params or body.optimizer_params)

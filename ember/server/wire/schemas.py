@@ -128,6 +128,17 @@ class RetrieveFutureRequest(_Body):
     allow_metadata_only: bool = False
 
 
+class CreateCustomLossRequest(_Body):
+    """``POST /api/v1/create_custom_loss`` (flag ``custom_loss_server_side``): a traced per-datum
+    loss as plain data (checked by ``ember.lossgraph.validate_program``)."""
+
+    session_id: str
+    custom_loss_seq_id: int = Field(ge=0, lt=2**31)
+    name: str
+    inputs: list[dict[str, Any]]
+    graph: dict[str, Any]
+
+
 class WeightsInfoRequest(_Body):
     tinker_path: str
 
@@ -173,3 +184,28 @@ class SampleRequest(_Body):
     target_prompt_logprobs: dict[str, Any] | None = None
     prompt_alt_tokens_k: int = 0
     record_stability_info: bool = False
+
+
+class SamplingSessionFuturesTarget(_Body):
+    """What ``retrieve_futures`` polls: one client (``cloned_sampler_id``, its seq_ids being
+    ``1e9 * id + k``) of a sampler. The SDK knows no other target type."""
+
+    type: str = Field(default="sampling_session", pattern="^sampling_session$")
+    sampling_session_id: str
+    cloned_sampler_id: int = Field(default=0, ge=0, lt=1_000_000_000)
+
+
+class RetrieveFuturesRequest(_Body):
+    """``POST /api/v1/retrieve_futures`` (flag ``sample_use_retrieve_futures``): the completions
+    after ``prev_cursor``; ``timeout`` 0 answers at once, null (or positive) long-polls."""
+
+    target: SamplingSessionFuturesTarget
+    prev_cursor: int = Field(default=0, ge=0, lt=2**62)
+    timeout: float | None = Field(default=None, ge=0)
+    retrieved_request_ids: list[str] = Field(default_factory=list)
+
+
+class JoinSamplingSessionRequest(_Body):
+    """``POST /api/v1/join_sampling_session`` (flag ``sample_join_sampling_session``)."""
+
+    sampling_session_id: str

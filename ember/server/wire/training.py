@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.lossdefs import LOSS_SPECS, resolve_loss_config
+from ember.lossdefs import LOSS_SPECS, LossSpec, resolve_loss_config
 from ember.server.wire import tinker_proto as pb
 
 FLOAT_INPUTS = ("weights", "logprobs", "advantages", "clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask")
@@ -50,6 +50,53 @@ def decompress_zstd(body: bytes, limit: int) -> bytes:
     if len(out) > limit:
         raise OverflowError(f"decompressed body exceeds {limit} bytes")
     return out
+
+
+def zstd_prefix(body: bytes, size: int = 4096) -> bytes:
+    """The first ``size`` bytes (or fewer) that the start of a zstd stream decodes to."""
+    import zstandard
+
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+            return reader.read(size)
+    except zstandard.ZstdError:
+        return b""
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise IndexError
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not byte & 0x80:
+            return value, i
+
+
+def leading_ids(prefix: bytes) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` from the first bytes of a serialised ``ForwardBackwardRequest``
+    (fields 1 and 2 come before the data: a body too large to read whole still names its request),
+    or None if the prefix does not hold both."""
+    model_id, seq_id, i = None, None, 0
+    try:
+        while i < len(prefix) and (model_id is None or seq_id is None):
+            tag, i = _varint(prefix, i)
+            if tag == (1 << 3) | 2:  # model_id: length-delimited
+                n, i = _varint(prefix, i)
+                if i + n > len(prefix):
+                    return None
+                model_id, i = prefix[i : i + n].decode(), i + n
+            elif tag == (2 << 3) | 0:  # seq_id: varint
+                seq_id, i = _varint(prefix, i)
+            else:
+                return None
+    except (IndexError, UnicodeDecodeError):
+        return None
+    if model_id is None or seq_id is None or seq_id >= 1 << 31:  # negative int32s are 10-byte varints
+        return None
+    return model_id, seq_id
 
 
 def parse_forward_backward(body: bytes) -> object:
@@ -107,11 +154,27 @@ def _loss_config(msg) -> dict[str, float | str]:
     return {k: float(v) for k, v in msg.loss_fn_config.items()}
 
 
-def decode_forward_backward(msg, limits: ModelLimits) -> DecodedForwardBackward:
-    """Validate a ``ForwardBackwardRequest`` and turn it into Ember's internal request."""
+def custom_loss_id(msg) -> str | None:
+    """The ``loss_id`` of a ``loss_fn="custom"`` request (``loss_fn_config_v2``), None for other losses."""
+    if msg.loss_fn != "custom":
+        return None
+    loss_id = _loss_config(msg).get("loss_id")
+    if not isinstance(loss_id, str) or not loss_id:
+        raise WireError("loss_fn 'custom' needs loss_fn_config_v2 {'loss_id': <text>} from create_custom_loss")
+    return loss_id
+
+
+def decode_forward_backward(msg, limits: ModelLimits, custom_loss: dict | None = None) -> DecodedForwardBackward:
+    """Validate a ``ForwardBackwardRequest`` and turn it into Ember's internal request.
+    ``custom_loss``: for ``loss_fn="custom"``, the stored program its ``loss_id`` names."""
     loss_fn = msg.loss_fn
+    if loss_fn == "custom":
+        if custom_loss is None:
+            raise WireError("loss_fn 'custom' needs a loss created with create_custom_loss")
+        return _decode_data(msg, limits, "custom", {}, custom_loss)
     if loss_fn not in LOSS_SPECS:
-        raise WireError(f"loss_fn {loss_fn!r} is not supported; supported: {sorted(LOSS_SPECS)}")
+        raise WireError(f"loss_fn {loss_fn!r} is not supported; supported: {sorted(LOSS_SPECS)} or 'custom' "
+                        "(create_custom_loss)")
     raw_config = _loss_config(msg)
     numeric = {}
     for k, v in raw_config.items():
@@ -124,9 +187,16 @@ def decode_forward_backward(msg, limits: ModelLimits) -> DecodedForwardBackward:
         config = resolve_loss_config(loss_fn, numeric)
     except ValueError as e:
         raise WireError(str(e)) from None
+    return _decode_data(msg, limits, loss_fn, config)
+
+
+def _decode_data(msg, limits: ModelLimits, loss_fn: str, config: dict, program: dict | None = None) -> DecodedForwardBackward:
     if not msg.data:
         raise WireError("forward_backward needs at least one datum")
-    spec = LOSS_SPECS[loss_fn]
+    if program is None:
+        spec = LOSS_SPECS[loss_fn]
+    else:  # a custom loss reads target_tokens (for its logprobs) and the inputs it declares
+        spec = LossSpec(inputs=("target_tokens",), allows_2d_targets=program["inputs"][0]["rank"] == 2)
     datums, n_tokens = [], 0
     for i, d in enumerate(msg.data):
         where = f"data[{i}]"
@@ -173,10 +243,41 @@ def decode_forward_backward(msg, limits: ModelLimits) -> DecodedForwardBackward:
             if not np.all(np.isfinite(arr)):
                 raise WireError(f"{where}: {key} must hold finite numbers")
             loss_inputs[key] = arr.astype(np.float32)
+        if program is not None:
+            loss_inputs.update(_custom_inputs(inputs, targets, program, where))
         datums.append({"tokens": tokens, "loss_inputs": loss_inputs})
         n_tokens += n
     payload = {"loss_fn": loss_fn, "loss_config": config, "forward_only": bool(msg.forward_only), "datums": datums}
+    if program is not None:
+        payload["custom_loss"] = program
     return DecodedForwardBackward(msg.model_id, int(msg.seq_id), bool(msg.forward_only), loss_fn, payload, n_tokens)
+
+
+def _custom_inputs(inputs: dict[str, np.ndarray], targets: np.ndarray, program: dict, where: str) -> dict[str, np.ndarray]:
+    """The inputs a custom loss declares, checked against their declared ranks (a rank-0 input is
+    one value; the wire may carry it as shape [1])."""
+    lp_rank = program["inputs"][0]["rank"]
+    if targets.ndim != lp_rank:
+        raise WireError(f"{where}: target_tokens has rank {targets.ndim}, but loss {program['name']!r} takes "
+                        f"logprobs of rank {lp_rank}")
+    out = {}
+    for spec in program["inputs"][1:]:
+        name, rank = spec["name"], spec["rank"]
+        if name not in inputs:
+            raise WireError(f"{where}: loss {program['name']!r} takes loss_fn_inputs[{name!r}], which is missing")
+        arr = inputs[name]
+        if rank == 0 and arr.size == 1:
+            arr = arr.reshape(())
+        if arr.ndim != rank:
+            raise WireError(f"{where}: loss_fn_inputs[{name!r}] has shape {list(arr.shape)}; loss "
+                            f"{program['name']!r} declared rank {rank}")
+        if arr.dtype.kind == "f":
+            if not np.all(np.isfinite(arr)):
+                raise WireError(f"{where}: loss_fn_inputs[{name!r}] must hold finite numbers")
+            out[name] = arr.astype(np.float32)
+        else:
+            out[name] = arr.astype(np.int64)
+    return out
 
 
 def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:

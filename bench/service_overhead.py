@@ -148,6 +148,8 @@ def main() -> None:
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         while True:
+            if server.poll() is not None:
+                raise SystemExit(f"ember serve exited ({server.returncode}):\n{(home / 'server.log').read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{base}/api/v1/healthz") as r:
                     if all(v == "ready" for v in json.load(r)["engines"].values()):

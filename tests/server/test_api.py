@@ -162,7 +162,8 @@ def test_submits_are_idempotent_and_name_clashes_are_400(env):
 
 def test_retrieve_future_long_polls_then_answers(env):
     client, store, (alice, _) = env
-    model_id = _model(client, store, alice, _session(client, alice))
+    session = _session(client, alice)
+    model_id = _model(client, store, alice, session)
     rid = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}},
                       headers=h(alice)).json()["request_id"]
     t0 = time.monotonic()
@@ -172,6 +173,8 @@ def test_retrieve_future_long_polls_then_answers(env):
     threading.Timer(0.1, store.finish, args=([(rid, encode({"metrics": {"grad_norm": 1.5}}), None, None)],)).start()
     r = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=h(alice))
     assert r.json() == {"type": "optim_step", "metrics": {"grad_norm": 1.5}}
+    # the fixture's sessions expire after 1 s without a heartbeat (for the 410 test): keep this one alive
+    client.post("/api/v1/session_heartbeat", json={"session_id": session}, headers=h(alice))
     fb = _post_proto(client, alice, _fwdbwd_body(model_id, 2)).json()["request_id"]
     store.finish([(fb, None, "boom: the pass failed", "server")])
     assert client.post("/api/v1/retrieve_future", json={"request_id": fb}, headers=h(alice)).json() == {

@@ -19,6 +19,7 @@ from ember.server.waiter import FutureWaiter
 from ember.store import Store
 from ember.store.models import SamplingSession
 from ember.store.payload import encode
+from tests.server.test_waiter import _run_on_store
 from tests.store.backend import fresh_database
 
 BASE = "tiny"
@@ -167,12 +168,7 @@ def test_next_ring_wakes_on_any_datagram_and_sees_one_since_a_mark(tmp_path):
         finally:
             await waiter.stop()
 
-    with fresh_database(tmp_path) as url:
-        store = Store.open(url)
-        try:
-            asyncio.run(scenario(store))
-        finally:
-            store.close()
+    _run_on_store(tmp_path, scenario)
 
 
 def test_join_counts_clients_and_samplers_are_the_owners_only(env):

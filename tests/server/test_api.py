@@ -35,7 +35,7 @@ def env(tmp_path):
         keys = [store.create_api_key(n)[1] for n in ("alice", "bob")]
         config = ServerConfig(models={BASE: ServedModel.from_folder(BASE, model_dir)}, database_url=url,
                               storage=str(tmp_path / "ckpt"), long_poll_s=0.3, max_body_bytes=200_000,
-                              session_timeout_s=1.0, reaper_interval_s=0.2)
+                              session_timeout_s=60.0, reaper_interval_s=0.2)
         with TestClient(create_app(config, store)) as client:
             yield client, store, keys
         store.close()
@@ -192,7 +192,8 @@ def test_finished_and_idle_sessions_answer_410(env):
     r = _post_proto(client, alice, _fwdbwd_body(model_id, 1))
     assert r.status_code == 410 and r.json()["detail"]
     assert store.get_model(model_id, store.owner_of_key(alice)).status == "unloaded"
-    idle = _session(client, alice)  # session_timeout_s = 1, reaper every 0.2 s
+    client.app.state.ember.config.session_timeout_s = 1.0  # the reaper (every 0.2 s) reads it each pass
+    idle = _session(client, alice)
     time.sleep(1.8)
     r = client.post("/api/v1/session_heartbeat", json={"session_id": idle}, headers=h(alice))
     assert r.status_code == 410 and "expired" in r.json()["detail"]

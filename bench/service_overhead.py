@@ -9,12 +9,16 @@
 Both sides use the same device (``--device``, default cpu) and, on the CPU, the same number of torch
 threads (``--threads``; default: what `ember serve` gives an engine on the CPU, all cores but one).
 
+``--floor`` also times the same SDK loop against ``bench/sdk_floor.py``, a server that answers at
+once from memory: what the SDK and its HTTP round trips cost with no server work at all, so the
+added time splits into that floor and what Ember itself adds.
+
 ``--breakdown`` also prints where a step's time goes, from the server's JSON log: the API's time per
 route, the engine's pass and optim_step, and the wait between a forward_backward's answer and the
 start of its pass (doorbell, the engine's read and claim).
 
 Usage: python bench/service_overhead.py [--steps 40] [--clients 32] [--rounds 10] [--threads N] [--device D]
-       [--breakdown]
+       [--floor] [--breakdown]
 Prints a markdown table.
 """
 
@@ -127,6 +131,7 @@ def main() -> None:
                     help="torch threads of the engine and of the in-process baseline (default: ember serve's, "
                          "all cores but one)")
     ap.add_argument("--device", default="cpu", help="torch device of both sides (default cpu; float32 on either)")
+    ap.add_argument("--floor", action="store_true", help="also time the SDK against a server that does no work")
     ap.add_argument("--breakdown", action="store_true", help="also print where the service's time goes (from its log)")
     args = ap.parse_args()
     from ember.engine.service import cpu_threads
@@ -167,6 +172,7 @@ def main() -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
     med_local, med_remote = statistics.median(local[3:]), statistics.median(remote[3:])
+    floor = sdk_floor(args.steps, seqs) if args.floor else None
     load1 = os.getloadavg()
     print(f"device {args.device}; torch threads {threads}; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end "
           f"({os.cpu_count()} cores)")
@@ -175,9 +181,32 @@ def main() -> None:
     print(f"| forward_backward + optim_step, in-process Worker (median of {args.steps - 3}) | {med_local * 1e3:.1f} ms |")
     print(f"| forward_backward + optim_step, SDK -> ember serve (median) | {med_remote * 1e3:.1f} ms |")
     print(f"| added by the service per step (2 futures) | {(med_remote - med_local) * 1e3:.1f} ms |")
+    if floor is not None:
+        print(f"| forward_backward + optim_step, SDK -> bench/sdk_floor.py (no work; median) | {floor * 1e3:.1f} ms |")
+        print(f"| added by Ember beyond that floor, per step | {(med_remote - med_local - floor) * 1e3:.1f} ms |")
     print(f"| futures/s, {args.clients} concurrent clients (optim_step round trips) | {fps:.0f} |")
     if args.breakdown:
         breakdown(home / "server.log", *window)
+
+
+def sdk_floor(steps: int, seqs) -> float:
+    """Median SDK step against ``bench/sdk_floor.py`` (started here, in its own process)."""
+    port = _free_port()
+    stub = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sdk_floor.py")), str(port)])
+    try:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if stub.poll() is not None:
+                    raise SystemExit(f"bench/sdk_floor.py exited ({stub.returncode})") from None
+                time.sleep(0.2)
+        os.environ["TINKER_BASE_URL"] = f"http://127.0.0.1:{port}"
+        return statistics.median(through_sdk("floor", steps, seqs)[3:])
+    finally:
+        stub.terminate()
+        stub.wait(10)
 
 
 def breakdown(log_path: Path, t0: float, t1: float) -> None:

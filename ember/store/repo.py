@@ -123,7 +123,6 @@ _PENDING_WITH_CURSORS = (
     .order_by(Future.created_at, Future.id)
     .limit(bindparam("limit"))
 )
-_TOUCH_MODEL = update(_MODELS).where(_MODELS.c.id == bindparam("mid")).values(last_request_time=bindparam("now"))
 _INSERT_FUTURE = insert(_FUTURES)
 _FINISH_DONE = (
     update(_FUTURES)
@@ -141,10 +140,10 @@ _FINISH_FAILED = (
         payload=None,
     )
 )
-_ADVANCE = (
+_ADVANCE = (  # a model's requests up to nxt - 1 ran (``last_request_time``: when its last one did)
     update(_MODELS)
     .where(_MODELS.c.id == bindparam("mid"), _MODELS.c.next_seq < bindparam("nxt"))
-    .values(next_seq=bindparam("nxt"))
+    .values(next_seq=bindparam("nxt"), last_request_time=bindparam("now"))
 )
 
 _CLAIM_NEXT = (  # a model's next request if it is an op and the model is active (``finish(claim_next=True)``)
@@ -563,16 +562,16 @@ class Store:
                 m = s.execute(_MODEL_STATE, {"mid": model_id}).first() if model_id is not None else None
                 if live and model_id is not None:
                     _check_live(model_id, owner, m)
-                if keyed:  # a resubmission: answer the original request (checked inside the lock)
+                # A resubmission answers the original request. Looked up first where the insert
+                # below cannot find it: a seq_id already executed, or a checkpoint whose name the
+                # original registered; otherwise the insert's unique key finds it (except below).
+                stale = m is not None and seq_id is not None and seq_id < m.next_seq
+                if keyed and (stale or checkpoint is not None or m is None):
                     fid = s.scalar(self._keyed_query(model_id, sampler_id, seq_id))  # type: ignore[arg-type]
                     if fid is not None:
                         return fid
-                if m is not None:
-                    if seq_id is not None and seq_id < m.next_seq:
-                        raise Conflict(
-                            f"seq_id {seq_id} of model {model_id} was already executed (next is {m.next_seq})"
-                        )
-                    s.execute(_TOUCH_MODEL, {"mid": model_id, "now": utcnow()})
+                if stale:
+                    raise Conflict(f"seq_id {seq_id} of model {model_id} was already executed (next is {m.next_seq})")
                 if checkpoint is not None and rejected is None:
                     self._register_checkpoint(s, checkpoint, overwrite)
                 fid = str(uuid.uuid4())
@@ -762,7 +761,7 @@ class Store:
             if failed:
                 s.execute(_FINISH_FAILED, failed)
             if advance:
-                s.execute(_ADVANCE, [{"mid": mid, "nxt": nxt} for mid, nxt in advance.items()])
+                s.execute(_ADVANCE, [{"mid": mid, "nxt": nxt, "now": now} for mid, nxt in advance.items()])
             for mid, (status, detail) in (model_status or {}).items():
                 s.execute(update(_MODELS).where(_MODELS.c.id == mid).values(status=status, status_detail=detail))
             for path, (state, size) in (checkpoints or {}).items():

@@ -66,8 +66,12 @@ def test_submits_are_idempotent_and_stale_seq_ids_refused(store):
     _, mid, _ = _model(store)
     a = store.submit(owner="o", base_model="b", op="optim_step", payload=b"1", model_id=mid, seq_id=1)
     assert store.submit(owner="o", base_model="b", op="optim_step", payload=b"2", model_id=mid, seq_id=1) == a
+    created = store.get_model(mid, "o").last_request_time
     store.finish([(a, b"r", None, None)], advance={mid: 4})  # e.g. seq 2, 3 were skipped as a gap
-    assert store.get_model(mid, "o").next_seq == 4
+    model = store.get_model(mid, "o")
+    assert model.next_seq == 4 and model.last_request_time > created  # set when its requests run
+    # A resubmission of an executed request still answers the original; a new one is refused.
+    assert store.submit(owner="o", base_model="b", op="optim_step", payload=b"2", model_id=mid, seq_id=1) == a
     with pytest.raises(Conflict, match="already executed"):
         store.submit(owner="o", base_model="b", op="optim_step", payload=b"3", model_id=mid, seq_id=3)
     # The cursor never moves backwards.

@@ -21,15 +21,14 @@ from ember.server.errors import not_found
 from ember.server.routes.common import ember
 from ember.server.wire import schemas
 from ember.server.wire.training import encode_forward_backward_output
-from ember.store.models import Future
 from ember.store.payload import decode
 
 router = APIRouter(prefix="/api/v1")
 PROTO = "application/x-protobuf"
 
 
-def render_result(row: Future) -> Response:
-    """The Tinker answer for a finished future."""
+def render_result(row) -> Response:
+    """The Tinker answer for a finished future (a row of ``Store.get_future``)."""
     return render(row.state, row.reply, row.result, row.error, row.category)
 
 

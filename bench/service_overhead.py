@@ -228,6 +228,8 @@ def breakdown(log_path: Path, t0: float, t1: float) -> None:
                 fb_ends.append(rec["ts"])
         elif rec["msg"] == "packed pass":
             by.setdefault("engine: packed pass", []).append(rec["seconds"] * 1e3)
+            if "queued_ms" in rec:
+                by.setdefault("engine: request stored -> its pass starts", []).append(rec["queued_ms"])
             pass_starts.append(rec["ts"] - rec["seconds"])
         elif rec["msg"] == "operation" and rec.get("op") == "optim_step":
             by.setdefault("engine: optim_step", []).append(rec["seconds"] * 1e3)
@@ -237,7 +239,7 @@ def breakdown(log_path: Path, t0: float, t1: float) -> None:
         if before:
             waits.append((start - max(before)) * 1e3)
     if waits:
-        by["forward_backward answered -> pass starts"] = waits
+        by["forward_backward answered -> pass starts (log times; includes the pass's finish)"] = waits
     print("| where the time goes (SDK phase) | count | median ms |")
     print("|---|---|---|")
     for name, values in by.items():

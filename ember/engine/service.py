@@ -189,6 +189,8 @@ class EngineService:
             requests.append(ForwardBackwardInput(slot, datums, p["loss_fn"], p["loss_config"], p["forward_only"],
                                                  p.get("custom_loss")))
         ready = [r for r in requests if r is not None]
+        # from the newest request's submission (the API's clock, same host or synchronised) to now
+        queued_ms = (utcnow() - max(f.created_at for f in futures)).total_seconds() * 1e3
         t0 = time.perf_counter()
         try:
             results = iter(self.worker.forward_backward(ready)) if ready else iter(())
@@ -222,7 +224,7 @@ class EngineService:
         log.info(
             "packed pass",
             extra={"requests": len(futures), "models": len({f.model_id for f in futures}), "tokens": tokens,
-                   "seconds": round(seconds, 4)},
+                   "seconds": round(seconds, 4), "queued_ms": round(queued_ms, 3)},
         )
         for f, payload in follow:
             self._run_op(f, payload)

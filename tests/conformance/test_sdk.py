@@ -47,6 +47,13 @@ def test_stage7_sampling_with_retrieve_futures_and_join(server):
     run_scenario(server, "s7_flags")
 
 
+def test_stage7_cancel_future_through_the_sdk(server):
+    """An abandoned sample: the SDK sends cancel_future and the request ends cancelled."""
+    run_scenario(server, "s7_cancel")
+    cancels = [line for line in server.log.read_text().splitlines() if '"/api/v1/cancel_future"' in line]
+    assert cancels and all('"status": 200' in line for line in cancels), cancels
+
+
 def test_engine_death_fails_pending_requests_and_restarts(server):
     """Last: it loses every model of the Qwen3 engine."""
     run_scenario(server, "s_engine_death")

@@ -54,6 +54,7 @@ class Session(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     owner: Mapped[str] = mapped_column(String(32), index=True)
     display_name: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    project_id: Mapped[str | None] = mapped_column(String(200), nullable=True)  # a label; None: the default
     tags: Mapped[list] = mapped_column(JSON, default=list)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
     sdk_version: Mapped[str | None] = mapped_column(String(50), nullable=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
-from sqlalchemy import Connection, Engine, Row, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, Engine, Row, and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import sessionmaker
@@ -282,7 +282,8 @@ class Store:
     # -- sessions ---------------------------------------------------------------------------------
 
     def create_session(
-        self, owner: str, display_name: str | None, tags: list, user_metadata: dict, sdk_version: str | None
+        self, owner: str, display_name: str | None, tags: list, user_metadata: dict, sdk_version: str | None,
+        project_id: str | None = None,
     ) -> str:
         sid = str(uuid.uuid4())
         now = utcnow()
@@ -292,6 +293,7 @@ class Store:
                     id=sid,
                     owner=owner,
                     display_name=display_name,
+                    project_id=project_id,
                     tags=list(tags),
                     user_metadata=dict(user_metadata),
                     sdk_version=sdk_version,
@@ -353,6 +355,57 @@ class Store:
         for sid in ids:
             self.end_session(sid, "expired", f"no heartbeat for {timeout_s:g} s")
         return ids
+
+    def assign_project(self, session_id: str, owner: str, project_id: str) -> bool:
+        """Put the owner's session in ``project_id``; False if there is no such session."""
+        with self.write() as s:
+            row = s.get(Session, session_id)
+            if row is None or row.owner != owner:
+                return False
+            row.project_id = project_id
+            return True
+
+    def search_sessions(
+        self,
+        owner: str,
+        match: Callable[[Session], bool],
+        limit: int,
+        *,
+        session_id: str | None = None,
+        name_words: Sequence[str] = (),
+        after: tuple[datetime, str] | None = None,
+    ) -> list[tuple[Session, int, int]]:
+        """The owner's sessions newest first (``created_at``, then id, both descending), starting
+        after the ``(created_at, id)`` key ``after``, that match ``session_id`` or contain every
+        word of ``name_words`` in their display name (case-insensitively; either one, when both
+        are given) and ``match(session)``; at most ``limit``, each with its training runs'
+        checkpoint count and bytes."""
+        q = select(Session).where(Session.owner == owner)
+        by_name = [func.lower(Session.display_name).contains(w.lower(), autoescape=True) for w in name_words]
+        if session_id is not None or by_name:
+            q = q.where(or_(*([Session.id == session_id] if session_id is not None else []),
+                            *([and_(*by_name)] if by_name else [])))
+        if after is not None:
+            q = q.where(or_(Session.created_at < after[0], and_(Session.created_at == after[0], Session.id < after[1])))
+        q = q.order_by(Session.created_at.desc(), Session.id.desc())
+        found: list[Session] = []
+        with self.read() as s:
+            for row in s.scalars(q.execution_options(yield_per=200)):
+                if match(row):
+                    found.append(row)
+                    if len(found) == limit:
+                        break
+            sizes = {}
+            if found:
+                runs = select(TrainingModel.id).where(TrainingModel.session_id.in_([r.id for r in found]))
+                counts = (
+                    select(TrainingModel.session_id, func.count(Checkpoint.tinker_path), func.sum(Checkpoint.size_bytes))
+                    .join(Checkpoint, Checkpoint.model_id == TrainingModel.id)
+                    .where(Checkpoint.model_id.in_(runs), Checkpoint.state == "ready")
+                    .group_by(TrainingModel.session_id)
+                )
+                sizes = {sid: (n, int(b or 0)) for sid, n, b in s.execute(counts)}
+        return [(r, *sizes.get(r.id, (0, 0))) for r in found]
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> list[Session]:
         with self.read() as s:

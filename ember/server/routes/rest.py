@@ -260,3 +260,75 @@ def get_session(session_id: str, request: Request, owner: str = Depends(require_
     runs, samplers = st.store.session_children(session_id)
     return {"training_run_ids": runs, "sampler_ids": samplers,
             "user_metadata": str_metadata(row.user_metadata), "display_name": row.display_name}
+
+
+DEFAULT_PROJECT = "default"  # the project of a session created without one
+FINISH_REASONS = ("success", "errored", "interrupted")
+
+
+@router.put("/sessions/{session_id}/project")
+def assign_session_project(
+    session_id: str, body: schemas.AssignProjectRequest, request: Request, owner: str = Depends(require_owner)
+) -> dict:
+    """Move a session to another project (Ember's projects are labels that ``sessions/search``
+    filters by; every project is its owner's)."""
+    if not ember(request).store.assign_project(session_id, owner, body.project_id):
+        raise not_found(f"session {session_id!r}")
+    return {}
+
+
+def session_status(row) -> dict | None:
+    """The SDK's ``SessionStatus`` of a session: active, or finished by its client with a reason;
+    None for one that ended without a heartbeat (neither finished nor known to be running)."""
+    if row.status == "active":
+        return {"type": "active"}
+    if row.status == "finished":
+        reason = row.end_reason if row.end_reason in FINISH_REASONS else "success"
+        return {"type": "client_finished", "reason": {"type": reason}, "detail": None}
+    return None
+
+
+def _status_matches(row, queries: list[schemas.SessionStatusQueryBody] | None) -> bool:
+    if queries is None:
+        return True
+    status = session_status(row)
+    if status is None:
+        return False
+    for q in queries:
+        if q.type == status["type"] and (q.reasons is None or status.get("reason", {}).get("type") in q.reasons):
+            return True
+    return False  # Ember never cancels nor fails a session: those queries match nothing
+
+
+@router.post("/sessions/search")
+def search_sessions(body: schemas.SessionSearchRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
+    """A page of the caller's sessions, newest first (``RestClient.search_sessions``). A key sees
+    only its own sessions, so ``accessible`` searches the caller's, and ``user`` finds sessions
+    only when it names the caller (its owner id, as ``SessionSummary.owner`` reports it)."""
+    if body.owner.type == "user" and owner not in (body.owner.owner_urns or ()):
+        return {"sessions": [], "next_cursor": None}
+    projects = set(body.project_ids) if body.project_ids is not None else None
+
+    def match(row) -> bool:
+        if projects is not None and (row.project_id or DEFAULT_PROJECT) not in projects:
+            return False
+        meta = str_metadata(row.user_metadata) or {}
+        return all(meta.get(k) == v for k, v in body.user_metadata.items()) and _status_matches(row, body.statuses)
+
+    after = None
+    if body.cursor is not None:
+        after = (body.cursor.last_created_at.astimezone(UTC).replace(tzinfo=None), body.cursor.last_session_id)
+    words = body.display_name.split() if body.display_name else ()
+    found = ember(request).store.search_sessions(owner, match, body.limit + 1, session_id=body.session_id,
+                                                 name_words=words, after=after)
+    page = found[: body.limit]
+    sessions = [
+        {"session_id": row.id, "created_at": iso(row.created_at), "owner": row.owner,
+         "project_id": row.project_id or DEFAULT_PROJECT, "status": session_status(row), "checkpoints_count": n,
+         "display_name": row.display_name, "user_metadata": str_metadata(row.user_metadata),
+         "checkpoint_storage_bytes": size}
+        for row, n, size in page
+    ]
+    more = len(found) > body.limit
+    cursor = {"last_created_at": iso(page[-1][0].created_at), "last_session_id": page[-1][0].id} if more else None
+    return {"sessions": sessions, "next_cursor": cursor}

@@ -58,7 +58,7 @@ def telemetry(owner: str = Depends(require_owner)) -> dict:
 @router.post("/create_session")
 def create_session(body: CreateSessionRequest, request: Request, owner: str = Depends(require_owner)) -> dict:
     sid = ember(request).store.create_session(
-        owner, body.display_name, body.tags, body.user_metadata or {}, body.sdk_version
+        owner, body.display_name, body.tags, body.user_metadata or {}, body.sdk_version, body.project_id
     )
     return {"session_id": sid, "type": "create_session"}
 

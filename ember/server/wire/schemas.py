@@ -5,9 +5,9 @@ Unknown fields are ignored (clients send ``type`` literals and fields other serv
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -209,3 +209,37 @@ class JoinSamplingSessionRequest(_Body):
     """``POST /api/v1/join_sampling_session`` (flag ``sample_join_sampling_session``)."""
 
     sampling_session_id: str
+
+
+class AssignProjectRequest(_Body):
+    """``PUT /api/v1/sessions/{id}/project``."""
+
+    project_id: str = Field(min_length=1, max_length=200)
+
+
+class SearchOwnerBody(_Body):
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[str] | None = Field(default=None, min_length=1, max_length=10)
+
+
+class SessionStatusQueryBody(_Body):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1)
+
+
+class SessionSearchCursorBody(_Body):
+    last_created_at: AwareDatetime
+    last_session_id: str
+
+
+class SessionSearchRequest(_Body):
+    """``POST /api/v1/sessions/search`` (the SDK's ``SessionSearchRequest``)."""
+
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+    display_name: str | None = Field(default=None, min_length=1)
+    owner: SearchOwnerBody = Field(default_factory=SearchOwnerBody)
+    statuses: list[SessionStatusQueryBody] | None = Field(default=None, min_length=1)
+    limit: int = Field(default=50, ge=1, le=200)
+    cursor: SessionSearchCursorBody | None = None

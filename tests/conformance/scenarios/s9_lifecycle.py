@@ -1,10 +1,12 @@
 """Stage 9: lifecycle. Heartbeats arrive while a session idles; telemetry is accepted; after
-close() the session is finished: heartbeats get 410 and new requests a 410 with a body."""
+close() the session is finished: heartbeats get 410 and new requests a 410 with a body. The
+RestClient moves the session to a project and finds it with search_sessions, finished."""
 
 import time
 
 import httpx
 import tinker
+from tinker import types
 
 from ember.store import Store
 from tests.conformance.scenarios.common import CONF, QWEN3
@@ -25,6 +27,8 @@ r = httpx.post(f"{base}/api/v1/telemetry", headers={"X-API-Key": key},
                json={"events": [], "platform": "test", "sdk_version": "0.38.0", "session_id": session, "process_uuid": "x"})
 assert r.json() == {"status": "accepted"}
 
+rest = sc.create_rest_client()
+rest.assign_session_project(session, "lifecycle").result()
 sc.close("success").result()
 r = httpx.post(f"{base}/api/v1/session_heartbeat", headers={"X-API-Key": key},
                json={"session_id": session, "type": "session_heartbeat"})
@@ -38,5 +42,10 @@ assert r.status_code == 410 and "finished" in r.json()["detail"], r.text
 r = httpx.post(f"{base}/api/v1/create_model", headers={"X-API-Key": key},
                json={"session_id": session, "model_seq_id": 5, "base_model": QWEN3, "type": "create_model"})
 assert r.status_code == 410 and r.json()["detail"], r.text
+page = tinker.ServiceClient().create_rest_client().search_sessions(
+    types.SessionSearchRequest(session_id=session, project_ids=["lifecycle"])).result()
+(found,) = page.sessions
+assert found.session_id == session and found.project_id == "lifecycle" and page.next_cursor is None, page
+assert isinstance(found.status, types.ClientSessionFinished) and found.status.reason.type == "success", found.status
 store.close()
 print("stage 9 ok")

@@ -1,15 +1,18 @@
 """``POST /api/v1/sessions/search`` and ``PUT /api/v1/sessions/{id}/project``, with the SDK's own
 request and response types: filters (session id or display-name words, user_metadata, status,
-project), newest-first keyset pages, checkpoint counts, and per-key isolation."""
+project), newest-first keyset pages, checkpoint counts, and per-key isolation. And
+``GET /api/v1/sessions/{id}/trace_export``: a signed URL of the session's timeline."""
 
+import json
 from datetime import timedelta
 
 import pytest
 from tinker import types
 
 from ember.store.models import Checkpoint
+from ember.store.payload import encode
 from ember.store.repo import utcnow
-from tests.server.test_api import env, h  # noqa: F401 - env is a fixture
+from tests.server.test_api import _model, env, h  # noqa: F401 - env is a fixture
 
 BASE = "tiny"
 
@@ -143,3 +146,44 @@ def test_bad_searches_get_400_with_a_detail(env, body):  # noqa: F811
     client, _, (alice, _) = env
     r = client.post("/api/v1/sessions/search", json=body, headers=h(alice))
     assert r.status_code == 400 and r.json()["detail"].startswith("invalid request"), r.text
+
+
+def test_trace_export_is_a_signed_url_of_the_sessions_timeline(env):  # noqa: F811
+    client, store, (alice, bob) = env
+    session = _create(client, alice, "traced")
+    model_id = _model(client, store, alice, session)
+    r = client.post("/api/v1/optim_step", headers=h(alice), json={"model_id": model_id, "seq_id": 1, "adam_params": {}})
+    optim = r.json()["request_id"]
+    store.claim([optim])
+    store.finish([(optim, encode({"metrics": {}}), None, None)], advance={model_id: 2})
+    bad = client.post("/api/v1/optim_step", headers=h(alice), json={"model_id": model_id, "seq_id": 2,
+                                                                    "adam_params": {"type": "sgd"}})
+    assert bad.status_code == 400  # recorded as a "rejected" request, which the engine fails in order
+    queued = client.post("/api/v1/optim_step", headers=h(alice), json={"model_id": model_id, "seq_id": 3,
+                                                                       "adam_params": {}}).json()["request_id"]
+
+    r = client.get(f"/api/v1/sessions/{session}/trace_export", headers=h(alice))
+    assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+    url = r.json()["url"]
+    assert client.get(f"/api/v1/sessions/{session}/trace_export", headers=h(bob)).status_code == 404
+    trace = client.get(url)  # no API key: the URL authorises itself
+    assert trace.status_code == 200 and trace.headers["content-type"] == "application/json", trace.text
+    events = json.loads(trace.content)["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+    tid = tracks[f"training run {model_id}"]
+    slices = {e["args"]["request_id"]: e for e in events if e["ph"] == "X" and e.get("cat") == "request"}
+    created = store.get_session(session, store.owner_of_key(alice) or "").created_at
+    row = store.get_future(optim, store.owner_of_key(alice) or "")
+    assert slices[optim]["tid"] == tid and slices[optim]["name"] == "optim_step"
+    assert slices[optim]["ts"] == pytest.approx((row.started_at - created).total_seconds() * 1e6)
+    assert slices[optim]["dur"] == pytest.approx((row.finished_at - row.started_at).total_seconds() * 1e6)
+    # Finished without running (here: finished without an engine's claim) is an instant.
+    (instant,) = [e for e in events if e["ph"] == "i"]
+    assert instant["name"] == "create_model" and instant["args"]["state"] == "done"
+    # Still queued (no engine here): their waits run to the export.
+    waits = {e["id"]: e for e in events if e.get("cat") == "queue" and e["ph"] == "b"}
+    assert waits[queued]["name"] == "optim_step queued" and queued not in slices
+    assert sum(w["name"] == "rejected queued" for w in waits.values()) == 1
+    assert any(e.get("tid") == 0 and e["ph"] == "X" and e["name"] == "session (active)" for e in events)
+    # A tampered or foreign token is refused.
+    assert client.get(url[:-3] + "xyz").status_code == 403

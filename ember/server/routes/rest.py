@@ -4,12 +4,13 @@ download URLs), weights_info and sessions; plus the signed download route itself
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import time
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ember.server.auth import require_owner
 from ember.server.errors import ApiError, bad_request, not_found
@@ -26,10 +27,11 @@ from ember.server.routes.common import (
     tinker_path,
 )
 from ember.server.routes.training import tinker_lora
+from ember.server.trace import session_trace
 from ember.server.wire import schemas
 from ember.storage import sign_token, verify_token
 from ember.store.models import TrainingModel
-from ember.store.repo import Conflict
+from ember.store.repo import Conflict, utcnow
 
 router = APIRouter(prefix="/api/v1")
 
@@ -160,12 +162,15 @@ def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, own
 
 @router.get("/download/{token}")
 def download(token: str, request: Request):
-    """A file of an external export, for whoever holds a valid signed token (no API key)."""
+    """A file of an external export, or a session's trace (``trace_export``), for whoever holds
+    a valid signed token (no API key)."""
     st = ember(request)
     try:
         claims = verify_token(st.secret, token)
     except ValueError as e:
         raise ApiError(403, str(e)) from None
+    if "s" in claims:
+        return _session_trace(st, claims["s"], claims["o"])
     ckpt = st.store.get_checkpoint(claims["p"], None)
     if ckpt is None or ckpt.state != "ready":
         raise not_found("checkpoint")
@@ -332,3 +337,24 @@ def search_sessions(body: schemas.SessionSearchRequest, request: Request, owner:
     more = len(found) > body.limit
     cursor = {"last_created_at": iso(page[-1][0].created_at), "last_session_id": page[-1][0].id} if more else None
     return {"sessions": sessions, "next_cursor": cursor}
+
+
+@router.get("/sessions/{session_id}/trace_export")
+def trace_export(session_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    """A self-authorising URL of the session's timeline (``ember.server.trace``), built when it is
+    downloaded, so it is always ready and up to date."""
+    st = ember(request)
+    if st.store.get_session(session_id, owner) is None:
+        raise not_found(f"session {session_id!r}")
+    token = sign_token(st.secret, {"s": session_id, "o": owner}, time.time() + st.config.download_url_ttl_s)
+    base = (st.config.public_url or str(request.base_url)).rstrip("/")
+    return {"status": "ready", "url": f"{base}/api/v1/download/{token}"}
+
+
+def _session_trace(st, session_id: str, owner: str) -> Response:
+    row = st.store.get_session(session_id, owner)
+    if row is None:
+        raise not_found(f"session {session_id!r}")
+    trace = session_trace(row, st.store.session_requests(session_id), utcnow())
+    return Response(json.dumps(trace), media_type="application/json",
+                    headers={"content-disposition": f'attachment; filename="{session_id}.json"'})

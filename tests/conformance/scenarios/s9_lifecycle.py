@@ -1,8 +1,11 @@
 """Stage 9: lifecycle. Heartbeats arrive while a session idles; telemetry is accepted; after
 close() the session is finished: heartbeats get 410 and new requests a 410 with a body. The
-RestClient moves the session to a project and finds it with search_sessions, finished."""
+RestClient moves the session to a project and finds it with search_sessions, finished, and
+export_session_trace gives a URL of its timeline (the model's create and unload)."""
 
+import json
 import time
+import urllib.request
 
 import httpx
 import tinker
@@ -47,5 +50,10 @@ page = tinker.ServiceClient().create_rest_client().search_sessions(
 (found,) = page.sessions
 assert found.session_id == session and found.project_id == "lifecycle" and page.next_cursor is None, page
 assert isinstance(found.status, types.ClientSessionFinished) and found.status.reason.type == "success", found.status
+url = tinker.ServiceClient().create_rest_client().export_session_trace(session).result()
+with urllib.request.urlopen(url) as r:  # no credentials: the URL authorises itself
+    events = json.load(r)["traceEvents"]
+ran = [e["name"] for e in events if e["ph"] == "X" and e.get("tid") and e["args"]["state"] == "done"]
+assert ran[0] == "create_model" and "unload_model" in ran, ran
 store.close()
 print("stage 9 ok")

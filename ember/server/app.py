@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember import doorbell
 from ember.server import metrics
-from ember.server.auth import Authenticator, require_owner
+from ember.server.auth import JWT_SECRET_SETTING, Authenticator, require_owner
 from ember.server.config import ServerConfig
 from ember.server.waiter import FutureWaiter
 from ember.storage import Storage
@@ -254,7 +254,8 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         config=config,
         store=store,
         storage=Storage(config.storage),
-        auth=Authenticator(store, config.auth),
+        auth=Authenticator(store, config.auth, store.setting(JWT_SECRET_SETTING, lambda: secrets.token_hex(32)),
+                           config.jwt_ttl_s),
         waiter=FutureWaiter(store),
         secret=store.setting("url_signing_secret", lambda: secrets.token_hex(32)),
     )

@@ -48,5 +48,6 @@ class ServerConfig:
     future_retention_s: float = 3600.0
     max_body_bytes: int = 64 * 1024 * 1024
     download_url_ttl_s: float = 3600.0
+    jwt_ttl_s: float = 3600.0  # lifetime of the JWTs POST /auth/token issues (flag pjwt_auth_enabled)
     public_url: str | None = None  # base of download links; default: the URL the client used
     client_config: dict = field(default_factory=dict)  # extra flags for POST /api/v1/client/config

@@ -12,9 +12,10 @@ from fastapi import HTTPException
 
 
 class ApiError(HTTPException):
-    def __init__(self, status_code: int, detail: str):
+    def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None):
         # The SDK retries 5xx unless told not to; a 501 is final.
-        headers = {"x-should-retry": "false"} if status_code == 501 else None
+        if status_code == 501:
+            headers = {**(headers or {}), "x-should-retry": "false"}
         super().__init__(status_code=status_code, detail=detail, headers=headers)
 
 

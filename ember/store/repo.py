@@ -267,6 +267,12 @@ class Store:
             row = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
             return row.id if row is not None and row.revoked_at is None else None
 
+    def key_active(self, key_id: str) -> bool:
+        """Whether the API key ``key_id`` exists and is not revoked."""
+        with self.read() as s:
+            row = s.get(ApiKey, key_id)
+            return row is not None and row.revoked_at is None
+
     def list_api_keys(self) -> list[ApiKey]:
         with self.read() as s:
             return list(s.scalars(select(ApiKey).order_by(ApiKey.created_at)))

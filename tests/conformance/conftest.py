@@ -117,7 +117,8 @@ def server(tmp_path_factory):
                      "serial": {"fwdbwd_max_chunk_len": 2, "parallel_fwdbwd_chunks": False},
                      "zstd": {"fwdbwd_max_chunk_len": 3, "proto_compress_fwdbwd": True},
                      "futures": {"sample_use_retrieve_futures": True, "sample_join_sampling_session": True},
-                     "custom_loss": {"custom_loss_server_side": True}}
+                     "custom_loss": {"custom_loss_server_side": True},
+                     "jwt": {"pjwt_auth_enabled": True}}
             extra = {}
             for name, cfg in flags.items():
                 p = free_port()

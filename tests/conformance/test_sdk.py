@@ -47,6 +47,13 @@ def test_stage7_sampling_with_retrieve_futures_and_join(server):
     run_scenario(server, "s7_flags")
 
 
+def test_jwt_auth_flag_run(server):
+    """Flag pjwt_auth_enabled: the SDK trains and samples on JWTs it got from auth/token."""
+    run_scenario(server, "s_jwt")
+    log = (server.log.parent / "api-jwt.log").read_text()
+    assert '"path": "/api/v1/auth/token", "status": 200' in log, log[-3000:]
+
+
 def test_stage7_cancel_future_through_the_sdk(server):
     """An abandoned sample: the SDK sends cancel_future and the request ends cancelled."""
     run_scenario(server, "s7_cancel")

@@ -23,6 +23,13 @@ def client_config(body: ClientConfigRequest, request: Request, owner: str = Depe
     return dict(ember(request).config.client_config)
 
 
+@router.post("/auth/token")
+def auth_token(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """A short-lived JWT for the caller's credential (client flag ``pjwt_auth_enabled``; see
+    ``ember.server.auth``)."""
+    return {"jwt": ember(request).auth.issue_jwt(owner)}
+
+
 @router.post("/client/dynamic_config")
 def dynamic_config(body: ClientConfigRequest, owner: str = Depends(require_owner)) -> dict:
     # sample_cancel_enabled: abandoned sampling futures are cancelled (POST /cancel_future)

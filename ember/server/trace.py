@@ -21,10 +21,13 @@ def _us(t: datetime, origin: datetime) -> float:
     return (t - origin).total_seconds() * 1e6
 
 
-def session_trace(session, requests, now: datetime) -> dict:
+MAX_REQUESTS = 100_000  # the newest requests of a session that a trace shows (~25 MB of JSON)
+
+
+def session_trace(session, requests, now: datetime, truncated: bool = False) -> dict:
     """The trace of ``session`` (a ``sessions`` row) and its ``requests`` (``Store.session_requests``)
     at time ``now`` (naive UTC, as the store's times); timestamps are microseconds since the
-    session's creation."""
+    session's creation. ``truncated``: older requests were left out."""
     origin = session.created_at
     tracks: dict[str, int] = {}
     events: list[dict] = [
@@ -57,4 +60,5 @@ def session_trace(session, requests, now: datetime) -> dict:
             events.append({"ph": "i", "s": "t", "name": r.op, "cat": "request", "pid": _PID, "tid": tid,
                            "ts": _us(r.finished_at, origin), "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "metadata": {"session_id": session.id, "exported_at": now.isoformat() + "Z", "requests": len(requests)}}
+            "metadata": {"session_id": session.id, "exported_at": now.isoformat() + "Z", "requests": len(requests),
+                         "truncated": truncated}}

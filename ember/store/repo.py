@@ -425,10 +425,10 @@ class Store:
             samplers = s.scalars(select(SamplingSession.id).where(SamplingSession.session_id == session_id))
             return sorted(runs), sorted(samplers)
 
-    def session_requests(self, session_id: str) -> list[Row]:
-        """The requests still stored (finished ones are purged after the retention window) of a
-        session's training runs and samplers, oldest first: id, op, model_id, sampler_id, seq_id,
-        n_tokens, state, error and the created/started/finished times."""
+    def session_requests(self, session_id: str, limit: int = 100_000) -> list[Row]:
+        """The newest ``limit`` requests still stored (finished ones are purged after the retention
+        window) of a session's training runs and samplers, oldest first: id, op, model_id,
+        sampler_id, seq_id, n_tokens, state, error and the created/started/finished times."""
         runs = select(TrainingModel.id).where(TrainingModel.session_id == session_id)
         samplers = select(SamplingSession.id).where(SamplingSession.session_id == session_id)
         f = _FUTURES.c
@@ -436,10 +436,11 @@ class Store:
             select(f.id, f.op, f.model_id, f.sampler_id, f.seq_id, f.n_tokens, f.state, f.error,
                    f.created_at, f.started_at, f.finished_at)
             .where(or_(f.model_id.in_(runs), f.sampler_id.in_(samplers)))
-            .order_by(f.created_at, f.id)
+            .order_by(f.created_at.desc(), f.id.desc())
+            .limit(limit)
         )
         with self.engine.connect() as conn:
-            return list(conn.execute(q))
+            return list(conn.execute(q))[::-1]
 
     # -- models -----------------------------------------------------------------------------------
 

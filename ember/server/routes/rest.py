@@ -27,7 +27,7 @@ from ember.server.routes.common import (
     tinker_path,
 )
 from ember.server.routes.training import tinker_lora
-from ember.server.trace import session_trace
+from ember.server.trace import MAX_REQUESTS, session_trace
 from ember.server.wire import schemas
 from ember.storage import sign_token, verify_token
 from ember.store.models import TrainingModel
@@ -355,6 +355,7 @@ def _session_trace(st, session_id: str, owner: str) -> Response:
     row = st.store.get_session(session_id, owner)
     if row is None:
         raise not_found(f"session {session_id!r}")
-    trace = session_trace(row, st.store.session_requests(session_id), utcnow())
+    requests = st.store.session_requests(session_id, MAX_REQUESTS + 1)
+    trace = session_trace(row, requests[-MAX_REQUESTS:], utcnow(), truncated=len(requests) > MAX_REQUESTS)
     return Response(json.dumps(trace), media_type="application/json",
                     headers={"content-disposition": f'attachment; filename="{session_id}.json"'})

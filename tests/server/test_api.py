@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -24,8 +25,10 @@ from tests.store.backend import fresh_database
 BASE = "tiny"
 
 
-@pytest.fixture
-def env(tmp_path):
+@contextmanager
+def api_env(tmp_path, **config):
+    """A TestClient of the API on a fresh database (keys for alice and bob) and a folder model;
+    ``config``: ServerConfig fields over the tests' defaults."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 100,
@@ -33,12 +36,18 @@ def env(tmp_path):
     with fresh_database(tmp_path) as url:
         store = Store.open(url)
         keys = [store.create_api_key(n)[1] for n in ("alice", "bob")]
-        config = ServerConfig(models={BASE: ServedModel.from_folder(BASE, model_dir)}, database_url=url,
-                              storage=str(tmp_path / "ckpt"), long_poll_s=0.3, max_body_bytes=200_000,
-                              session_timeout_s=60.0, reaper_interval_s=0.2)
+        config = ServerConfig(**{"models": {BASE: ServedModel.from_folder(BASE, model_dir)}, "database_url": url,
+                                 "storage": str(tmp_path / "ckpt"), "long_poll_s": 0.3, "max_body_bytes": 200_000,
+                                 "session_timeout_s": 60.0, "reaper_interval_s": 0.2, **config})
         with TestClient(create_app(config, store)) as client:
             yield client, store, keys
         store.close()
+
+
+@pytest.fixture
+def env(tmp_path):
+    with api_env(tmp_path) as e:
+        yield e
 
 
 def h(key):

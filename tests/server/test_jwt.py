@@ -3,19 +3,13 @@ then authenticates as the key's owner; expired, forged or malformed tokens get 4
 ``WWW-Authenticate: Bearer error="invalid_token"`` (the SDK's cue to fetch a new one); a revoked
 key's tokens stop working; ``--no-auth`` servers accept only their own local owner's tokens."""
 
-import json
 import time
 
 import jwt
 import pytest
-from fastapi.testclient import TestClient
 
-from ember.server.app import create_app
-from ember.server.config import ServedModel, ServerConfig
-from ember.store import Store
 from ember.store.repo import NO_AUTH_OWNER
-from tests.server.test_api import env, h  # noqa: F401 - env is a fixture
-from tests.store.backend import fresh_database
+from tests.server.test_api import api_env, env, h  # noqa: F401 - env is a fixture
 
 
 def _token(client, key) -> str:
@@ -76,17 +70,8 @@ def test_a_revoked_keys_tokens_stop_working(env):  # noqa: F811
 
 @pytest.fixture
 def no_auth_client(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 100,
-                                                       "max_position_embeddings": 16}))
-    with fresh_database(tmp_path) as url:
-        store = Store.open(url)
-        config = ServerConfig(models={"tiny": ServedModel.from_folder("tiny", model_dir)}, database_url=url,
-                              storage=str(tmp_path / "ckpt"), auth=False)
-        with TestClient(create_app(config, store)) as client:
-            yield client
-        store.close()
+    with api_env(tmp_path, auth=False) as (client, _, _):
+        yield client
 
 
 def test_no_auth_servers_accept_their_own_tokens_only(no_auth_client):

@@ -148,8 +148,8 @@ class AccessLog:
 
 
 class HotRoutes:
-    """ASGI middleware: the endpoints every training step calls (``POST`` forward_backward,
-    optim_step, retrieve_future) go straight to their route functions, past FastAPI's routing,
+    """ASGI middleware: the endpoints every training step or sample calls (``POST``
+    forward_backward, optim_step, asample, retrieve_future) go straight to their route functions, past FastAPI's routing,
     dependency solving and response encoding, which cost as much as the routes' own work. The
     same functions, auth (``require_owner``) and JSON errors as through FastAPI; everything else,
     and every other method on these paths, goes to the app.
@@ -232,17 +232,20 @@ async def _reaper(state: EmberState) -> None:
 
 def hot_routes() -> dict:
     """The routes ``HotRoutes`` serves, by path."""
-    from ember.server.routes import futures, training
+    from ember.server.routes import futures, sampling, training
     from ember.server.wire import schemas
 
     async def optim_step(request: Request, owner: str):
         return await training.optim_step(await json_body(request, schemas.OptimStepRequest), request, owner)
 
+    async def asample(request: Request, owner: str):
+        return await sampling.asample(await json_body(request, schemas.SampleRequest), request, owner)
+
     async def retrieve_future(request: Request, owner: str):
         return await futures.retrieve_future(await json_body(request, schemas.RetrieveFutureRequest), request, owner)
 
     return {"/api/v1/forward_backward": training.forward_backward, "/api/v1/optim_step": optim_step,
-            "/api/v1/retrieve_future": retrieve_future}
+            "/api/v1/asample": asample, "/api/v1/retrieve_future": retrieve_future}
 
 
 def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:

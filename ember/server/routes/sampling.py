@@ -115,6 +115,7 @@ def _submit_sample(st, owner: str, body: schemas.SampleRequest) -> dict:
         sampler_id=sampler.id,
         seq_id=body.seq_id,
         n_tokens=cost,
-        reply={"proto": "sample", "layout": layout},
+        reply=(reply := {"proto": "sample", "layout": layout}),
     )
+    st.remember(rid, owner, reply)  # its retrieve_future reads no row while it is pending
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}

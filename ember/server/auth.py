@@ -79,6 +79,12 @@ class Authenticator:
             return None
         return self._checked(hit[0])
 
+    def forget(self, key: str) -> None:
+        """Drop ``key`` from the cache (it was just revoked here)."""
+        owner = self._cache.pop(key, (None, 0.0))[0]
+        if owner is not None:
+            self._live.pop(owner, None)
+
     def issue_jwt(self, owner: str) -> str:
         """A JWT for ``owner`` that expires after ``jwt_ttl_s``."""
         now = int(time.time())

@@ -267,6 +267,10 @@ class Store:
             row = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
             return row.id if row is not None and row.revoked_at is None else None
 
+    def get_api_key(self, key_id: str) -> ApiKey | None:
+        with self.read() as s:
+            return s.get(ApiKey, key_id)
+
     def key_active(self, key_id: str) -> bool:
         """Whether the API key ``key_id`` exists and is not revoked."""
         with self.read() as s:

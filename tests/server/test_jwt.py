@@ -1,7 +1,8 @@
 """JWT auth (client flag ``pjwt_auth_enabled``): ``POST /auth/token`` exchanges a key for a JWT that
 then authenticates as the key's owner; expired, forged or malformed tokens get 401 with
 ``WWW-Authenticate: Bearer error="invalid_token"`` (the SDK's cue to fetch a new one); a revoked
-key's tokens stop working; ``--no-auth`` servers accept only their own local owner's tokens."""
+key's tokens stop working; ``--no-auth`` servers accept only their own local owner's tokens. And the
+key endpoints of ``tinker auth login/logout``: GET/DELETE /auth/apikey/me."""
 
 import time
 
@@ -83,3 +84,27 @@ def test_no_auth_servers_accept_their_own_tokens_only(no_auth_client):
     other = jwt.encode({"iss": "ember", "sub": "key-123", "iat": now, "exp": now + 60},
                        client.app.state.ember.auth.jwt_secret)
     assert _invalid_token(client.post("/api/v1/create_session", json={"tags": []}, headers=h(other)))
+
+
+def test_the_auth_cli_checks_and_revokes_its_own_key(env):  # noqa: F811
+    """``tinker auth login/logout`` (its own client, TinkerAuthApi) against GET/DELETE /auth/apikey/me."""
+    from tinker.cli.auth_api import AuthApiError, TinkerAuthApi
+
+    client, store, (alice, bob) = env
+    api = TinkerAuthApi(client, base_url=str(client.base_url))
+    me = api.get_self_api_key(alice)
+    key_id = store.owner_of_key(alice)
+    assert me.key_id == int(key_id.removeprefix("key-"), 16) and me.name == "alice"
+    assert me.details.org_details.name == "ember"
+    with pytest.raises(AuthApiError, match="401"):
+        api.get_self_api_key("tml-not-a-key")
+    r = client.get("/api/v1/auth/apikey/me", headers=h(_token(client, alice)))
+    assert r.status_code == 400 and "API key itself" in r.json()["detail"]
+    api.delete_self_api_key(alice)  # revokes Alice's key only, at once
+    assert client.post("/api/v1/create_session", json={"tags": []}, headers=h(alice)).status_code == 401
+    assert api.get_self_api_key(bob).name == "bob"
+
+
+def test_no_auth_servers_have_no_key_to_show(no_auth_client):
+    r = no_auth_client.get("/api/v1/auth/apikey/me", headers=h("tml-anything"))
+    assert r.status_code == 400 and "--no-auth" in r.json()["detail"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from ember.server.auth import require_owner
-from ember.server.errors import gone, not_found
+from ember.server.auth import JWT_ORG, is_jwt, require_owner
+from ember.server.errors import bad_request, gone, not_found
 from ember.server.routes.common import ember
 from ember.server.wire.schemas import (
     ClientConfigRequest,
@@ -28,6 +28,38 @@ def auth_token(request: Request, owner: str = Depends(require_owner)) -> dict:
     """A short-lived JWT for the caller's credential (client flag ``pjwt_auth_enabled``; see
     ``ember.server.auth``)."""
     return {"jwt": ember(request).auth.issue_jwt(owner)}
+
+
+def _own_key(request: Request, owner: str):
+    """The API key row presented in ``X-API-Key`` (not a JWT; not under ``--no-auth``)."""
+    st = ember(request)
+    if not st.config.auth:
+        raise bad_request("this server runs with --no-auth: it checks no keys (manage keys with `ember keys`)")
+    if is_jwt(request.headers.get("x-api-key", "")):
+        raise bad_request("present the API key itself, not a token exchanged for it")
+    key = st.store.get_api_key(owner)
+    if key is None:
+        raise not_found("API key")
+    return st, key
+
+
+@router.get("/auth/apikey/me")
+def own_api_key(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """The presented key's public metadata (``tinker auth login`` checks a key with it): its
+    number (the hex of its id), name, and Ember's one organisation; no user email."""
+    _, key = _own_key(request, owner)
+    return {"key_id": int(key.id.removeprefix("key-"), 16), "name": key.name, "note": "",
+            "details": {"org_details": {"name": JWT_ORG}, "user_details": {"email": ""}}}
+
+
+@router.delete("/auth/apikey/me")
+def revoke_own_api_key(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Revoke the presented key, and only it (``tinker auth logout``); at once in this process,
+    within the auth cache time (10 s) in other API processes."""
+    st, key = _own_key(request, owner)
+    st.store.revoke_api_key(key.id)
+    st.auth.forget(request.headers["x-api-key"])
+    return {}
 
 
 @router.post("/client/dynamic_config")

@@ -46,15 +46,17 @@ class Authenticator:
     def owner(self, key: str | None) -> str:
         """The owner id for ``key`` (an API key or a JWT); ``ApiError(401)`` if missing, unknown,
         revoked or invalid."""
-        known = self.cached(key)
-        if known is not None:
-            return known
-        if is_jwt(key):  # type: ignore[arg-type]
-            owner = self._jwt_owner(key)  # type: ignore[arg-type]
+        if key and is_jwt(key):
+            owner = self._jwt_owner(key)  # verified once; its key's liveness may be cached
+            if not self.enabled or self._seen_live(owner):
+                return owner
             if not self.store.key_active(owner):
                 raise ApiError(401, "the API key this token was issued for has been revoked")
             self._live[owner] = time.monotonic()
             return owner
+        known = self.cached(key)
+        if known is not None:
+            return known
         hit = (self.store.owner_of_key(key), time.monotonic())
         self._cache[key] = hit  # type: ignore[index]
         return self._checked(hit[0])
@@ -66,10 +68,7 @@ class Authenticator:
             raise ApiError(401, "missing X-API-Key header")
         if is_jwt(key):
             owner = self._jwt_owner(key)
-            if not self.enabled:
-                return owner
-            seen = self._live.get(owner)
-            return owner if seen is not None and time.monotonic() - seen <= _CACHE_S else None
+            return owner if not self.enabled or self._seen_live(owner) else None
         if not self.enabled:
             if not key.startswith(KEY_PREFIX):
                 raise ApiError(401, f"API keys start with {KEY_PREFIX!r}")
@@ -78,6 +77,10 @@ class Authenticator:
         if hit is None or time.monotonic() - hit[1] > _CACHE_S:
             return None
         return self._checked(hit[0])
+
+    def _seen_live(self, owner: str) -> bool:
+        seen = self._live.get(owner)
+        return seen is not None and time.monotonic() - seen <= _CACHE_S
 
     def forget(self, key: str) -> None:
         """Drop ``key`` from the cache (it was just revoked here)."""

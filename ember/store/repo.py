@@ -273,9 +273,8 @@ class Store:
 
     def key_active(self, key_id: str) -> bool:
         """Whether the API key ``key_id`` exists and is not revoked."""
-        with self.read() as s:
-            row = s.get(ApiKey, key_id)
-            return row is not None and row.revoked_at is None
+        row = self.get_api_key(key_id)
+        return row is not None and row.revoked_at is None
 
     def list_api_keys(self) -> list[ApiKey]:
         with self.read() as s:

@@ -16,12 +16,39 @@ class InvalidRequest(ValueError):
 
 
 @dataclass
+class SupportReplay:
+    """What the sampler recorded at each target position of a datum, for ``stable_reinforce``
+    (``shared/spec/stability.md``); built by the engine from the datum's provenance spans.
+
+    ``kind`` int8 ``[N]``: 0 no record (no policy-gradient term), 1 the kept set of truncated
+    sampling, 2 the most likely tokens of untruncated sampling. ``ids`` int32 ``[N, K]`` (``-1``
+    padded) with the sampler's probabilities ``q`` float32 ``[N, K]``; ``inv_temperature``
+    float32 ``[N]`` (1/τ of the sampler; 1 where ``kind`` is 0); ``mass`` float32 ``[N]`` (the
+    sampler's probability of ``ids``); ``logprob`` float32 ``[N]`` (the sampler's processed
+    logprob of the target)."""
+
+    kind: np.ndarray
+    ids: np.ndarray
+    q: np.ndarray
+    inv_temperature: np.ndarray
+    mass: np.ndarray
+    logprob: np.ndarray
+
+
+@dataclass
 class Datum:
     """One training example: ``tokens`` (model input, length N) and per-position loss inputs
-    (``target_tokens`` ``[N]`` or ``[N, K]``, ``weights``, ``logprobs``, ``advantages`` …)."""
+    (``target_tokens`` ``[N]`` or ``[N, K]``, ``weights``, ``logprobs``, ``advantages`` …).
+
+    ``routes`` int ``[N, L, k]``: experts a sampler chose at each input position in each MoE layer
+    (``route_layers``), replayed by the forward pass (R3); rows of ``-1`` route live.
+    ``support``: the sampler's records at the target positions (``stable_reinforce``)."""
 
     tokens: np.ndarray
     loss_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    routes: np.ndarray | None = None
+    route_layers: tuple[int, ...] = ()
+    support: SupportReplay | None = None
 
 
 @dataclass
@@ -82,6 +109,8 @@ class SampleInput:
     ``record_routing``: the experts each MoE layer chose for every token the model read.
     ``prompt_alt_tokens_k``: that many draws (request temperature, with replacement) from the
     model's distribution at every prompt position ``1..P-1``, with their logprobs.
+    ``record_stability``: the stability record of every sample (``SampledSequence.support`` and,
+    for MoE models, ``routing``), for ``stable_reinforce``.
     """
 
     slot: int
@@ -95,6 +124,7 @@ class SampleInput:
     target_prompt_logprobs: np.ndarray | None = None
     record_routing: bool = False
     prompt_alt_tokens_k: int = 0
+    record_stability: bool = False
 
 
 @dataclass
@@ -104,7 +134,9 @@ class SampledSequence:
 
     ``topk_ids`` / ``topk_logprobs`` ``[G, k]``; ``routing`` ``[P + G - 1, L, k]``: experts of each
     MoE layer for the prompt and every generated token but the last (the model input of the datum
-    ``prompt + tokens``)."""
+    ``prompt + tokens``); ``support``: with ``record_stability``, what each token was drawn from
+    (``ember.core.sampling.requests.TokenSupport``: numpy arrays ``ids``/``q`` ``[G, K]``,
+    ``mass``/``logprob`` ``[G]``, and ``truncated``)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
@@ -112,6 +144,7 @@ class SampledSequence:
     topk_ids: np.ndarray | None = None
     topk_logprobs: np.ndarray | None = None
     routing: np.ndarray | None = None
+    support: object | None = None
 
 
 @dataclass

@@ -75,29 +75,48 @@ def apply_softcap(z: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor,
     return t * softcap, 1.0 - t * t
 
 
-def row_logsumexp(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """``logsumexp`` of each row of the (capped) logits."""
+def row_logsumexp(logits: torch.Tensor, softcap: float | None, inv_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``logsumexp`` of each row of the (capped) logits, each row scaled by ``inv_t`` (``[C]``
+    inverse temperatures; None: 1)."""
     if fused.use_triton(logits) and logits.dtype == torch.float32:
-        return fused.row_logsumexp(logits, softcap)
-    return torch.logsumexp(apply_softcap(logits, softcap)[0], dim=-1)
+        return fused.row_logsumexp(logits, softcap, inv_t)
+    z = apply_softcap(logits, softcap)[0]
+    return torch.logsumexp(z if inv_t is None else z * inv_t[:, None].to(z.dtype), dim=-1)
 
 
 def scaled_softmax(
-    logits: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor, softcap: float | None, dtype: torch.dtype
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    row_scale: torch.Tensor,
+    softcap: float | None,
+    dtype: torch.dtype,
+    inv_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``row_scale[:, None] * softmax ⊙ f`` (see module doc) in ``dtype``."""
+    """``row_scale[:, None] * softmax(z · inv_t) ⊙ f`` (see module doc) in ``dtype``."""
     if fused.use_triton(logits) and logits.dtype == torch.float32:
-        return fused.scaled_softmax(logits, lse, row_scale, softcap, dtype)
+        return fused.scaled_softmax(logits, lse, row_scale, softcap, dtype, inv_t)
     z, f = apply_softcap(logits, softcap)
+    if inv_t is not None:
+        z = z * inv_t[:, None].to(z.dtype)
     p = torch.exp(z - lse[:, None]) * row_scale[:, None]
     if f is not None:
         p = p * f
     return p.to(dtype)
 
 
+def _gathered(logits, targets, softcap, inv_t):
+    """The (capped, tempered) logits at ``targets`` and their derivative factor w.r.t. the raw
+    logits (``f · inv_t``; None when both are 1)."""
+    zt, ft = apply_softcap(logits.gather(1, targets), softcap)
+    if inv_t is None:
+        return zt, ft
+    it = inv_t[:, None].to(zt.dtype)
+    return zt * it, it.expand_as(zt) if ft is None else ft * it
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, softcap, bounds, *lora_tensors):
+    def forward(ctx, hidden, weight, targets, chunk, softcap, inv_t, bounds, *lora_tensors):
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
         T = hidden.shape[0]
         acc = _acc_dtype(hidden)
@@ -110,12 +129,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ones = torch.ones(T, dtype=acc, device=hidden.device) if precompute else None
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
+            it = None if inv_t is None else inv_t[c0:c1]
             logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
-            lse[c0:c1] = row_logsumexp(logits, softcap)
-            zt, ft = apply_softcap(logits.gather(1, targets[c0:c1]), softcap)
+            lse[c0:c1] = row_logsumexp(logits, softcap, it)
+            zt, ft = _gathered(logits, targets[c0:c1], softcap, it)
             out[c0:c1] = zt - lse[c0:c1, None]
             if precompute:
-                p = scaled_softmax(logits, lse[c0:c1], ones[c0:c1], softcap, hidden.dtype)
+                scale = ones[c0:c1] if it is None else it.to(acc)
+                p = scaled_softmax(logits, lse[c0:c1], scale, softcap, hidden.dtype, it)
                 pw[c0:c1] = _mm_acc(p, weight, acc)
                 if ft is not None:
                     f_t[c0:c1] = ft
@@ -126,7 +147,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             ctx.save_for_backward(weight, targets, pw, f_t)
         else:
             ctx.save_for_backward(hidden, weight, targets, lse, *lora_tensors)
-        ctx.chunk, ctx.softcap, ctx.bounds, ctx.hidden_dtype = chunk, softcap, bounds, hidden.dtype
+        ctx.chunk, ctx.softcap, ctx.bounds, ctx.hidden_dtype, ctx.inv_t = chunk, softcap, bounds, hidden.dtype, inv_t
         return out
 
     @staticmethod
@@ -136,7 +157,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             g = grad_out.to(pw.dtype)
             rows = weight.index_select(0, targets.reshape(-1)).view(*targets.shape, -1).to(pw.dtype)
             grad_h = (rows * (g * f_t)[..., None]).sum(1) - g.sum(1, keepdim=True) * pw
-            return (grad_h.to(ctx.hidden_dtype), None, None, None, None, None)
+            return (grad_h.to(ctx.hidden_dtype), None, None, None, None, None, None)
         hidden, weight, targets, lse, *lora_tensors = ctx.saved_tensors
         chunk, softcap, bounds = ctx.chunk, ctx.softcap, ctx.bounds
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
@@ -149,11 +170,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_out = grad_out.to(acc)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
+            it = None if ctx.inv_t is None else ctx.inv_t[c0:c1]
             logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
             g = grad_out[c0:c1]
             tgt = targets[c0:c1]
-            ft = apply_softcap(logits.gather(1, tgt), softcap)[1]
-            d = scaled_softmax(logits, lse[c0:c1], -g.sum(-1), softcap, hidden.dtype)
+            ft = _gathered(logits, tgt, softcap, it)[1]
+            row = -g.sum(-1) if it is None else -g.sum(-1) * it.to(acc)
+            d = scaled_softmax(logits, lse[c0:c1], row, softcap, hidden.dtype, it)
             del logits
             d.scatter_add_(1, tgt, (g if ft is None else g * ft).to(d.dtype))
             if need_h:
@@ -172,6 +195,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return (
             grad_h,
             grad_w.to(weight.dtype) if need_w else None,
+            None,
             None,
             None,
             None,
@@ -204,10 +228,12 @@ def token_logprobs(
     lora_name: str = "lm_head",
     softcap: float | None = None,
     chunk: int | None = None,
+    inv_temperature: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``log softmax(hidden @ weight.T)[t, targets[t, k]]`` as fp32 (fp64 for fp64 input) ``[T, K]``
     (``targets`` ``[T, K]`` or ``[T]``, giving ``[T]``), with the route's LM-head LoRA applied to each
-    adapter's tokens."""
+    adapter's tokens. ``inv_temperature`` ``[T]``: row ``t``'s (capped) logits are multiplied by it
+    before the softmax (a sampler's ``1 / τ``; None: 1 everywhere)."""
     squeeze = targets.dim() == 1
     if squeeze:
         targets = targets[:, None]
@@ -215,5 +241,7 @@ def token_logprobs(
     parts = head_lora_parts(hidden, lora, lora_name)
     bounds = tuple((s, e) for s, e, _, _ in parts)
     tensors = [t for _, _, hA, B in parts for t in (hA, B)]
-    out = _ChunkedLogprobs.apply(hidden, weight, targets, chunk, softcap, bounds, *tensors)
+    if inv_temperature is not None:
+        inv_temperature = inv_temperature.to(device=hidden.device, dtype=_acc_dtype(hidden))
+    out = _ChunkedLogprobs.apply(hidden, weight, targets, chunk, softcap, inv_temperature, bounds, *tensors)
     return out[:, 0] if squeeze else out

@@ -15,6 +15,7 @@ import numpy as np
 
 from ember.core.sampling import GenerationRequest, GenerationResult, InvalidGeneration, StopRule, derive_seed
 from ember.core.sampling.requests import Detokenize
+from ember.lossdefs import STABILITY_HEAD
 from ember.types import InvalidRequest, SampledSequence, SampleInput, SampleOutput
 
 
@@ -108,6 +109,7 @@ def generation_request(
         topk_sample=inp.topk_sample_logprobs,
         record_routing=inp.record_routing,
         prompt_alt_k=inp.prompt_alt_tokens_k,
+        record_support=STABILITY_HEAD if inp.record_stability else 0,
     )
 
 
@@ -115,7 +117,7 @@ def sample_output(result: GenerationResult) -> SampleOutput:
     """The worker's result type of an engine result."""
     return SampleOutput(
         sequences=[
-            SampledSequence(s.tokens, s.logprobs, s.stop_reason, s.topk_ids, s.topk_logprobs, s.routing)
+            SampledSequence(s.tokens, s.logprobs, s.stop_reason, s.topk_ids, s.topk_logprobs, s.routing, s.support)
             for s in result.sequences
         ],
         prompt_logprobs=result.prompt_logprobs,

@@ -30,6 +30,7 @@ from ember.core.adapters import AdapterBankFull, LoraConfig
 from ember.core.optim import AdamParams
 from ember.doorbell import RESULT_KEY_SETTING, Doorbell, ring_results
 from ember.engine import scheduler
+from ember.engine.stability import StabilityRecord, StabilityStore, resolve_datum
 from ember.engine.worker import Worker
 from ember.jsonlog import setup_logging
 from ember.storage import Storage
@@ -71,6 +72,7 @@ class EngineService:
         max_idle_poll_s: float = 0.02,
         model_path: str | Path | None = None,
         doorbell: Doorbell | None = None,
+        stability: StabilityStore | None = None,
     ):
         self.store = store
         self.storage = storage
@@ -90,6 +92,8 @@ class EngineService:
         self._park_dir: tempfile.TemporaryDirectory | None = None  # removed when the engine exits
         self.model_path = model_path
         self.doorbell = doorbell
+        self.stability = stability if stability is not None else StabilityStore()
+        self._last_expiry = time.monotonic()
         self._detokenize = None
         self._last_beat = 0.0
         self._listeners: tuple[float, list[int]] = (-1e9, [])  # (read at, ports) of result listeners
@@ -112,6 +116,9 @@ class EngineService:
                     idle = 0.001
                 continue
             now = time.monotonic()
+            if now - self._last_expiry > 10.0:
+                self.stability.expire()
+                self._last_expiry = now
             if now - self._last_beat > 2.0:
                 self.store.engine_progress(self.base_model, 0, 0, 0.0)
                 self._last_beat = now
@@ -177,7 +184,7 @@ class EngineService:
     # -- forward_backward ---------------------------------------------------------------------------
 
     def _run_pass(self, futures: list[PendingFuture], payloads: dict[str, bytes | None]) -> None:
-        requests: list[ForwardBackwardInput | None] = []
+        requests: list[ForwardBackwardInput | str | None] = []  # str: the request failed before the pass
         outcomes: list[Outcome] = []
         for f in futures:
             slot = self.slots.get(f.model_id)  # type: ignore[arg-type]
@@ -185,10 +192,14 @@ class EngineService:
                 requests.append(None)
                 continue
             p = decode(payloads[f.id])  # type: ignore[arg-type]
-            datums = [Datum(np.asarray(d["tokens"]), dict(d["loss_inputs"])) for d in p["datums"]]
+            try:
+                datums = self._datums(p)
+            except InvalidRequest as e:  # a span that names no record fails its own request
+                requests.append(str(e))
+                continue
             requests.append(ForwardBackwardInput(slot, datums, p["loss_fn"], p["loss_config"], p["forward_only"],
                                                  p.get("custom_loss")))
-        ready = [r for r in requests if r is not None]
+        ready = [r for r in requests if isinstance(r, ForwardBackwardInput)]
         # from the newest request's submission (the API's clock, same host or synchronised) to now
         queued_ms = (utcnow() - max(f.created_at for f in futures)).total_seconds() * 1e3
         t0 = time.perf_counter()
@@ -202,6 +213,8 @@ class EngineService:
         for f, req in zip(futures, requests):
             if req is None:
                 outcomes.append((f.id, None, f"model {f.model_id} is not loaded in this engine", "server"))
+            elif isinstance(req, str):
+                outcomes.append((f.id, None, req, "user"))
             elif error is not None:
                 outcomes.append((f.id, None, error, "server"))
             else:
@@ -228,6 +241,17 @@ class EngineService:
         )
         for f, payload in follow:
             self._run_op(f, payload)
+
+    def _datums(self, p: dict) -> list[Datum]:
+        """A request's datums; those of ``stable_reinforce`` resolved against the stability records
+        their provenance spans name (``InvalidRequest`` naming the datum and span otherwise)."""
+        datums = [Datum(np.asarray(d["tokens"]), dict(d["loss_inputs"])) for d in p["datums"]]
+        if p["loss_fn"] != "stable_reinforce":
+            return datums
+        return [
+            resolve_datum(self.stability, p["session_id"], datum, d["input_spans"], d["target_spans"], f"data[{i}]")
+            for i, (datum, d) in enumerate(zip(datums, p["datums"]))
+        ]
 
     # -- sampling -----------------------------------------------------------------------------------
 
@@ -303,6 +327,7 @@ class EngineService:
 
     def _run_samples(self, futures: list[PendingFuture], payloads: dict[str, bytes | None]) -> None:
         inputs: list[tuple[PendingFuture, SampleInput]] = []
+        sessions: dict[str, str] = {}  # future id -> session of a request that records stability info
         outcomes: list[Outcome] = []
         for f in futures:
             p = decode(payloads[f.id])  # type: ignore[arg-type]
@@ -319,7 +344,10 @@ class EngineService:
                 topk_prompt_logprobs=p["topk_prompt_logprobs"], topk_sample_logprobs=p["topk_sample_logprobs"],
                 target_prompt_logprobs=p.get("target_prompt_logprobs"),
                 prompt_alt_tokens_k=p.get("prompt_alt_tokens_k", 0),
+                record_stability=bool(p.get("record_stability")),
             )))
+            if p.get("record_stability"):
+                sessions[f.id] = p["session_id"]
         t0 = time.perf_counter()
         if inputs:
             try:
@@ -327,13 +355,22 @@ class EngineService:
             except Exception as e:
                 log.exception("sampling batch failed")
                 results = [RequestError(f"sampling failed: {type(e).__name__}: {e}", "server")] * len(inputs)
-            for (f, _), out in zip(inputs, results):
+            for (f, inp), out in zip(inputs, results):
                 if isinstance(out, RequestError):
                     outcomes.append((f.id, None, out.message, out.category))
-                else:
-                    outcomes.append((f.id, encode(_sample_result(out)), None, None))
+                    continue
+                if inp.record_stability:
+                    self._keep_records(f, sessions[f.id], inp, out)
+                outcomes.append((f.id, encode(_sample_result(out)), None, None))
         self._finish(outcomes)
         log.info("sampled", extra={"requests": len(futures), "seconds": round(time.perf_counter() - t0, 4)})
+
+    def _keep_records(self, f: PendingFuture, session_id: str, inp: SampleInput, out: SampleOutput) -> None:
+        """The stability record of every sequence of a finished request, under the
+        ``sequence_id`` the API gave it (``{request id}:{index}``)."""
+        for i, seq in enumerate(out.sequences):
+            record = StabilityRecord.of_sample(session_id, f.sampler_id, inp, seq, out.routing_layers)  # type: ignore[arg-type]
+            self.stability.put(f"{f.id}:{i}", record)
 
     # -- other operations ---------------------------------------------------------------------------
 
@@ -433,6 +470,7 @@ class EngineService:
         return {"sampling_session_id": sid}, None
 
     def _op_unload_sampler(self, f: PendingFuture, p: dict):
+        self.stability.drop_sampler(f.sampler_id, "its session ended")  # type: ignore[arg-type]
         slot = self.sampler_slots.pop(f.sampler_id, None)  # type: ignore[arg-type]
         if slot:
             self.worker.free_adapter(slot)
@@ -557,6 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the server) is gone")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch threads on --device cpu (default: all cores but one; see cpu_threads)")
+    ap.add_argument("--stability-memory-mb", type=int, default=2048,
+                    help="host memory for stability records (record_stability_info) before they spill to disk")
+    ap.add_argument("--stability-disk-mb", type=int, default=16384,
+                    help="local disk for spilled stability records before the least recently used are dropped")
+    ap.add_argument("--stability-ttl", type=float, default=3600.0,
+                    help="seconds a stability record is kept without use")
+    ap.add_argument("--stability-dir", default=None, help="folder for spilled stability records (default: a temp dir)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
@@ -573,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     service = EngineService(
         store, Storage(args.storage), args.base_model, worker, token_budget=args.token_budget,
         gap_timeout_s=args.gap_timeout, model_path=args.model_path, doorbell=doorbell,
+        stability=StabilityStore(args.stability_memory_mb << 20, args.stability_disk_mb << 20, args.stability_ttl,
+                                 args.stability_dir),
     )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from ember.core.adapters import Adapter, AdapterBank, LoraConfig
 from ember.core.batch import PackedBatch, pack
 from ember.core.checkpoint import load_adapter, save_adapter
 from ember.core.layers.attention import PackedAttention
+from ember.core.layers.moe import RoutingRecord
 from ember.core.loading import load_model
 from ember.core.logprobs import token_logprobs
 from ember.core.losses import loss_sum
@@ -27,11 +29,13 @@ from ember.core.optim import AdamParams
 from ember.core.peft_format import export_peft, import_peft
 from ember.core.sampling import InvalidGeneration, SamplerConfig, SamplingEngine
 from ember.core.sampling.requests import Detokenize
+from ember.core.stable_reinforce import stable_reinforce
 from ember.engine.custom_loss import LossProgram
 from ember.engine.sampler import generation_request, sample_output
 from ember.lossdefs import LOSS_SPECS, LossSpec, resolve_loss_config
 from ember.lossgraph import ProgramError
 from ember.types import (
+    Datum,
     ForwardBackwardInput,
     ForwardBackwardOutput,
     InvalidRequest,
@@ -53,6 +57,10 @@ class _Prepared:
         self.tokens: list[np.ndarray] = []
         self.targets: list[torch.Tensor] = []
         self.inputs: list[dict[str, torch.Tensor]] = []
+        # stable_reinforce: per datum, the sampler's inverse temperature of each row and the
+        # recorded experts of each input position ([N, L, k] over the model's MoE layers, -1: none)
+        self.inv_t: list[torch.Tensor] = []
+        self.routes: list[torch.Tensor | None] = []
 
 
 class Worker:
@@ -128,7 +136,10 @@ class Worker:
         engine = self.sampler
         valid, gens = [], []
         eos = tuple(self.config.eos_token_ids)
+        moe = bool(self.model.moe_routers())
         for i, req in enumerate(requests):
+            if req.record_stability and moe:
+                req = replace(req, record_routing=True)  # the record holds the routes (R3)
             try:
                 g = generation_request(req, eos, self.config.vocab_size, self.max_seq_len, detokenize)
                 engine.check(g)
@@ -204,6 +215,10 @@ class Worker:
                 inputs[key] = torch.as_tensor(arr, dtype=torch.float32)
             if "weights" in spec.optional_inputs and "weights" not in inputs:
                 inputs["weights"] = torch.ones(targets.shape, dtype=torch.float32)
+            if spec.needs_provenance:
+                targets = self._support_targets(d, targets, inputs, where)
+                prep.inv_t.append(torch.as_tensor(d.support.inv_temperature, dtype=torch.float32))
+                prep.routes.append(self._datum_routes(d, n, where))
             if program is not None:
                 if targets.ndim != program.inputs[0]["rank"]:
                     raise InvalidRequest(f"{where}: target_tokens has rank {targets.ndim}, but loss "
@@ -213,6 +228,48 @@ class Worker:
             prep.targets.append(torch.as_tensor(targets, dtype=torch.long))
             prep.inputs.append(inputs)
         return prep
+
+    def _support_targets(self, d: Datum, targets: np.ndarray, inputs: dict, where: str) -> np.ndarray:
+        """``[N, 1 + K]`` gather targets of a ``stable_reinforce`` datum (its target, then the
+        recorded support ids; padding repeats the target) and its support tensors in ``inputs``."""
+        sup = d.support
+        if sup is None:
+            raise InvalidRequest(f"{where}: stable_reinforce needs the datum's provenance (the sampler's record)")
+        n = targets.shape[0]
+        ids = np.asarray(sup.ids)
+        arrays = {"kind": sup.kind, "inv_temperature": sup.inv_temperature, "mass": sup.mass, "logprob": sup.logprob}
+        if ids.ndim != 2 or ids.shape[0] != n or np.asarray(sup.q).shape != ids.shape or any(
+                np.asarray(a).shape != (n,) for a in arrays.values()):
+            raise InvalidRequest(f"{where}: the support record's shapes do not match the datum's {n} targets")
+        if ids.size and (ids.min() < -1 or ids.max() >= self.config.vocab_size):
+            raise InvalidRequest(f"{where}: support ids must be -1 (none) or in [0, {self.config.vocab_size})")
+        inv_t = np.asarray(sup.inv_temperature)
+        if not np.all(np.isfinite(inv_t) & (inv_t > 0)):
+            raise InvalidRequest(f"{where}: support inverse temperatures must be finite and > 0")
+        valid = ids >= 0
+        inputs["kind"] = torch.as_tensor(np.asarray(sup.kind), dtype=torch.long)
+        inputs["valid"] = torch.as_tensor(valid)
+        inputs["q"] = torch.as_tensor(np.asarray(sup.q), dtype=torch.float32)
+        inputs["sampler_logprob"] = torch.as_tensor(np.asarray(sup.logprob), dtype=torch.float32)
+        inputs["sampler_mass"] = torch.as_tensor(np.asarray(sup.mass), dtype=torch.float32)
+        return np.concatenate([targets[:, None], np.where(valid, ids, targets[:, None])], axis=1)
+
+    def _datum_routes(self, d: Datum, n: int, where: str) -> torch.Tensor | None:
+        """A datum's recorded experts as ``[n, L, k]`` over the model's MoE layers (``-1``: none)."""
+        if d.routes is None:
+            return None
+        routers = self.model.moe_routers()
+        layers = sorted(routers)
+        routes = np.asarray(d.routes)
+        if tuple(d.route_layers) != tuple(layers):
+            raise InvalidRequest(f"{where}: routes of layers {list(d.route_layers)}; this model routes in {layers}")
+        k = {r.top_k for r in routers.values()}
+        experts = min(r.weight.shape[0] for r in routers.values())
+        if routes.shape != (n, len(layers), *k) or len(k) != 1:
+            raise InvalidRequest(f"{where}: routes shape {routes.shape} must be [{n}, {len(layers)}, top_k]")
+        if routes.size and (routes.min() < -1 or routes.max() >= experts):
+            raise InvalidRequest(f"{where}: routed expert ids must be -1 (none) or in [0, {experts})")
+        return torch.as_tensor(routes.astype(np.int64))
 
     def forward_backward(
         self, requests: Sequence[ForwardBackwardInput]
@@ -240,19 +297,27 @@ class Worker:
         batch = pack(sequences, keys, self.device)
         k_max = max(t.shape[1] if t.dim() == 2 else 1 for p in prepared for t in p.targets)
         targets = batch.gather([_as_2d(p.targets[j], k_max) for p, j in owners]).to(self.device)
+        inv_t = None
+        if any(p.inv_t for p in prepared):  # stable_reinforce rows read the sampler's temperature
+            inv_t = batch.gather([p.inv_t[j] if p.inv_t else torch.ones(len(p.tokens[j])) for p, j in owners])
+        routing = self._routing(batch, prepared, owners)
         train = any(not p.req.forward_only for p in prepared)
         outputs, total = [], None
         with nullcontext() if train else torch.no_grad():
-            per_seq = batch.split(self.logprobs(batch, targets))
+            per_seq = batch.split(self.logprobs(batch, targets, inv_t, routing))
+            flips = _flip_counts(batch, routing)
             cursor = 0
             for p in prepared:
                 lps = [_match(per_seq[cursor + j], t) for j, t in enumerate(p.targets)]
-                cursor += len(lps)
                 try:
-                    loss, metrics = _request_loss(p, lps, self.device)
+                    loss, metrics, lps = _request_loss(p, lps, self.device)
                 except ProgramError as e:  # a custom loss that fails at run time fails its own request
                     outputs.append(RequestError(str(e)))
+                    cursor += len(lps)
                     continue
+                if flips is not None and p.routes and any(r is not None for r in p.routes):
+                    metrics.update(_flip_metrics([flips[cursor + j] for j in range(len(lps))]))
+                cursor += len(lps)
                 if not p.req.forward_only and loss.requires_grad:
                     total = loss if total is None else total + loss
                 metrics["loss:sum"] = float(loss.detach())
@@ -263,14 +328,44 @@ class Worker:
                 total.backward()
         return outputs
 
-    def logprobs(self, batch: PackedBatch, targets: torch.Tensor) -> torch.Tensor:
-        """Target log-probabilities ``[T, K]`` of a packed batch (grad-tracking if enabled)."""
+    def _routing(self, batch: PackedBatch, prepared: list[_Prepared], owners) -> RoutingRecord | None:
+        """The pass's R3 routing: the datums' recorded experts, replayed where their request asks
+        (``routing_replay``) and compared with the live router everywhere (route flips)."""
+        if not any(r is not None for p in prepared for r in p.routes):
+            return None
+        layers = sorted(self.model.moe_routers())
+        k = next(r.shape[2] for p in prepared for r in p.routes if r is not None)
+
+        def rows(p, j, replay):
+            r = p.routes[j] if p.routes else None
+            if r is None or (replay and not p.config.get("routing_replay", 1.0)):
+                return torch.full((len(p.tokens[j]), len(layers), k), -1, dtype=torch.long)
+            return r
+
+        reference = batch.gather([rows(p, j, False) for p, j in owners]).to(self.device)
+        replay = batch.gather([rows(p, j, True) for p, j in owners]).to(self.device)
+        return RoutingRecord(
+            replay={layer: replay[:, i] for i, layer in enumerate(layers)} if (replay >= 0).any() else None,
+            reference={layer: reference[:, i] for i, layer in enumerate(layers)},
+            flips={},
+        )
+
+    def logprobs(
+        self,
+        batch: PackedBatch,
+        targets: torch.Tensor,
+        inv_temperature: torch.Tensor | None = None,
+        routing: RoutingRecord | None = None,
+    ) -> torch.Tensor:
+        """Target log-probabilities ``[T, K]`` of a packed batch (grad-tracking if enabled), with
+        each row's logits scaled by ``inv_temperature`` (``[T]``) and MoE ``routing`` (R3)."""
         attention = PackedAttention(batch.doc_lengths, self.device)
         ctx = ForwardContext(
             positions=batch.positions,
             attend=lambda layer, q, k, v, spec, scale: attention(q, k, v, spec, scale),
             lora=self.bank.route(batch.groups),
             seq_lens=batch.doc_lengths,
+            routing=routing,
         )
         hidden = self.model.hidden_states(batch.input_ids, ctx)
         return token_logprobs(
@@ -280,6 +375,7 @@ class Worker:
             lora=ctx.lora,
             softcap=self.model.final_logit_softcap,
             chunk=self.logprob_chunk,
+            inv_temperature=inv_temperature,
         )
 
     # -- optimizer ------------------------------------------------------------------------------
@@ -329,10 +425,15 @@ def _match(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return lp[:, : targets.shape[1]]
 
 
-def _request_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
-    """The request's summed loss and its extra metrics. Built-in losses: over the concatenated
-    datums when all are 1-D, else per datum (sums over tokens add up either way). A custom loss
-    runs per datum; its ``:sum`` metrics add up over the datums and ``:mean`` ones are averaged."""
+def _request_loss(
+    p: _Prepared, lps: list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:
+    """The request's summed loss, its extra metrics and the logprobs it returns. Built-in losses:
+    over the concatenated datums when all are 1-D, else per datum (sums over tokens add up either
+    way). A custom loss runs per datum; its ``:sum`` metrics add up over the datums and ``:mean``
+    ones are averaged. ``stable_reinforce`` returns its replayed logprobs ``log p_S(y)``."""
+    if p.req.loss_fn == "stable_reinforce":
+        return _stable_reinforce_loss(p, lps, device)
     if p.program is not None:
         losses, sums = [], {}
         for lp, inp in zip(lps, p.inputs):
@@ -341,15 +442,60 @@ def _request_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.device) -
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
         n = len(lps)
-        return torch.stack(losses).sum(), {k: v / n if k.endswith(":mean") else v for k, v in sums.items()}
+        return torch.stack(losses).sum(), {k: v / n if k.endswith(":mean") else v for k, v in sums.items()}, lps
     if all(x.dim() == 1 for x in lps):
         inputs = {k: torch.cat([inp[k] for inp in p.inputs]).to(device) for k in p.inputs[0]}
-        return loss_sum(p.req.loss_fn, torch.cat(lps), inputs, p.config), {}
+        return loss_sum(p.req.loss_fn, torch.cat(lps), inputs, p.config), {}, lps
     parts = [
         loss_sum(p.req.loss_fn, x, {k: v.to(device) for k, v in inp.items()}, p.config)
         for x, inp in zip(lps, p.inputs)
     ]
-    return torch.stack(parts).sum(), {}
+    return torch.stack(parts).sum(), {}, lps
+
+
+def _stable_reinforce_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.device):
+    """``stable_reinforce`` over the request's datums (:mod:`ember.core.stable_reinforce`), with
+    the stability metrics averaged over the positions that have a record."""
+    losses, out, sums = [], [], {}
+    for lp, inp in zip(lps, p.inputs):
+        x = {k: v.to(device) for k, v in inp.items()}
+        loss, logprobs, metrics = stable_reinforce(
+            lp, x["kind"], x["valid"], x["q"], x["advantages"], x["sampler_logprob"], x["sampler_mass"],
+            tis_cap=p.config["tis_cap"], kl_coeff=p.config["kl_coeff"],
+        )
+        losses.append(loss)
+        out.append(logprobs)
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    n = max(sums["tokens"], 1.0)
+    metrics = {f"stability/{key}:mean": sums[key] / n for key in ("gap", "sampler_mass", "trainer_mass")}
+    metrics["stability/tokens:sum"] = sums["tokens"]
+    return torch.stack(losses).sum(), metrics, out
+
+
+def _flip_counts(batch: PackedBatch, routing: RoutingRecord | None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Per sequence: (flipped layers, compared layers) of each token, from a pass's route flips."""
+    if routing is None or not routing.flips:
+        return None
+    layers = sorted(routing.flips)
+    flipped = torch.stack([routing.flips[i] for i in layers], dim=1).long()
+    compared = torch.stack([routing.reference[i][:, 0] >= 0 for i in layers], dim=1).long()
+    return list(zip(batch.split(flipped.sum(1)), batch.split(compared.sum(1))))
+
+
+def _flip_metrics(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """``stability/route_flips:mean`` (of the (token, MoE layer) pairs with a record, the fraction
+    whose live routing differs from the recorded one) and ``stability/route_flip_tokens:mean``
+    (the fraction of recorded tokens with a differing layer)."""
+    flipped = torch.cat([f for f, _ in parts])
+    compared = torch.cat([c for _, c in parts])
+    tokens = compared > 0
+    if not tokens.any():
+        return {}
+    return {
+        "stability/route_flips:mean": float(flipped.sum() / compared.sum()),
+        "stability/route_flip_tokens:mean": float((flipped[tokens] > 0).float().mean()),
+    }
 
 
 def _program_input(loss_inputs: dict, spec: dict, where: str) -> torch.Tensor:

@@ -70,16 +70,18 @@ SCRIPT = textwrap.dedent(
         check(f"rope {rot} grad", got, x.grad, 1e-5)
     from ember.core import logprobs
     for cap in (None, 7.0):
-        z = torch.randn(9, 5000) * 4
-        lse = fused.row_logsumexp(z, cap)
-        zc = z if cap is None else cap * torch.tanh(z / cap)
-        check(f"row_logsumexp cap={cap}", lse, torch.logsumexp(zc, -1), 1e-4)
-        sc = torch.randn(9)
-        got = fused.scaled_softmax(z, lse, sc, cap, torch.float32)
-        ref = torch.exp(zc - lse[:, None]) * sc[:, None]
-        if cap is not None:
-            ref = ref * (1 - torch.tanh(z / cap) ** 2)
-        check(f"scaled_softmax cap={cap}", got, ref, 1e-5)
+        for inv_t in (None, torch.tensor([1.0, 0.5, 2.0, 1.25, 1.0, 3.0, 0.7, 1.0, 1.1])):
+            z = torch.randn(9, 5000) * 4
+            lse = fused.row_logsumexp(z, cap, inv_t)
+            zc = z if cap is None else cap * torch.tanh(z / cap)
+            zt = zc if inv_t is None else zc * inv_t[:, None]
+            check(f"row_logsumexp cap={cap} t={inv_t is not None}", lse, torch.logsumexp(zt, -1), 1e-4)
+            sc = torch.randn(9)
+            got = fused.scaled_softmax(z, lse, sc, cap, torch.float32, inv_t)
+            ref = torch.exp(zt - lse[:, None]) * sc[:, None]
+            if cap is not None:
+                ref = ref * (1 - torch.tanh(z / cap) ** 2)
+            check(f"scaled_softmax cap={cap} t={inv_t is not None}", got, ref, 1e-5)
     print("OK")
     """
 )

@@ -119,9 +119,11 @@ if HAVE_TRITON:
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
-    def _row_lse(L, LSE, stride, N: tl.constexpr, CAP, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+    def _row_lse(L, LSE, INV_T, stride, N: tl.constexpr, CAP, HAS_CAP: tl.constexpr, HAS_T: tl.constexpr,
+                 BLOCK: tl.constexpr):
         row = tl.program_id(0)
         base = L + row.to(tl.int64) * stride
+        inv_t = tl.load(INV_T + row) if HAS_T else 1.0
         m = tl.full((BLOCK,), -1e30, tl.float32)
         s = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, N, BLOCK):
@@ -130,6 +132,8 @@ if HAVE_TRITON:
             z = tl.load(base + cols, mask=mask, other=-1e30).to(tl.float32)
             if HAS_CAP:
                 z = CAP * _tanh(z / CAP)
+            if HAS_T:
+                z = tl.where(mask, z * inv_t, -1e30)
             new_m = tl.maximum(m, z)
             s = s * tl.exp(m - new_m) + tl.where(mask, tl.exp(z - new_m), 0.0)
             m = new_m
@@ -138,11 +142,12 @@ if HAVE_TRITON:
         tl.store(LSE + row, top + tl.log(total))
 
     @triton.jit
-    def _scaled_softmax(L, LSE, SCALE, OUT, stride_l, stride_o, N: tl.constexpr, CAP, HAS_CAP: tl.constexpr,
-                        BLOCK: tl.constexpr):
+    def _scaled_softmax(L, LSE, SCALE, INV_T, OUT, stride_l, stride_o, N: tl.constexpr, CAP, HAS_CAP: tl.constexpr,
+                        HAS_T: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         lse = tl.load(LSE + row)
         sc = tl.load(SCALE + row)
+        inv_t = tl.load(INV_T + row) if HAS_T else 1.0
         base_l = L + row.to(tl.int64) * stride_l
         base_o = OUT + row.to(tl.int64) * stride_o
         for start in range(0, N, BLOCK):
@@ -151,28 +156,31 @@ if HAVE_TRITON:
             z = tl.load(base_l + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_CAP:
                 t = _tanh(z / CAP)
-                p = tl.exp(CAP * t - lse) * sc * (1.0 - t * t)
+                p = tl.exp(CAP * t * inv_t - lse) * sc * (1.0 - t * t)
             else:
-                p = tl.exp(z - lse) * sc
+                p = tl.exp(z * inv_t - lse) * sc
             tl.store(base_o + cols, p.to(OUT.dtype.element_ty), mask=mask)
 
 
-def row_logsumexp(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """``logsumexp`` of each row of ``softcap(logits)`` (fp32 ``[C, V]``), one pass."""
+def row_logsumexp(logits: torch.Tensor, softcap: float | None, inv_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``logsumexp`` of each row of ``softcap(logits) * inv_t`` (fp32 ``[C, V]``; ``inv_t`` ``[C]``
+    per-row inverse temperatures, None for 1), one pass."""
     C, V = logits.shape
     lse = torch.empty(C, dtype=torch.float32, device=logits.device)
-    _row_lse[(C,)](logits, lse, logits.stride(0), V, float(softcap or 1.0), HAS_CAP=softcap is not None,
-                   BLOCK=4096, num_warps=8)
+    t = lse if inv_t is None else inv_t.float().contiguous()
+    _row_lse[(C,)](logits, lse, t, logits.stride(0), V, float(softcap or 1.0), HAS_CAP=softcap is not None,
+                   HAS_T=inv_t is not None, BLOCK=4096, num_warps=8)
     return lse
 
 
-def scaled_softmax(logits, lse, row_scale, softcap, dtype) -> torch.Tensor:
-    """``row_scale * exp(z - lse) * (1 - tanh²)`` with ``z = softcap(logits)``, written in ``dtype``."""
+def scaled_softmax(logits, lse, row_scale, softcap, dtype, inv_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``row_scale * exp(z * inv_t - lse) * (1 - tanh²)`` with ``z = softcap(logits)``, written in ``dtype``."""
     C, V = logits.shape
     out = torch.empty((C, V), dtype=dtype, device=logits.device)
-    _scaled_softmax[(C,)](logits, lse.contiguous(), row_scale.float().contiguous(), out, logits.stride(0),
-                          out.stride(0), V, float(softcap or 1.0), HAS_CAP=softcap is not None, BLOCK=4096,
-                          num_warps=8)
+    t = lse if inv_t is None else inv_t.float().contiguous()
+    _scaled_softmax[(C,)](logits, lse.contiguous(), row_scale.float().contiguous(), t, out, logits.stride(0),
+                          out.stride(0), V, float(softcap or 1.0), HAS_CAP=softcap is not None,
+                          HAS_T=inv_t is not None, BLOCK=4096, num_warps=8)
     return out
 
 

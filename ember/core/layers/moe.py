@@ -13,7 +13,6 @@ Weights follow the transformers 5 layout: ``gate_up_proj`` ``[E, 2I, H]`` (gate 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +23,62 @@ from ember.core.kernels.grouped import grouped_linear, grouped_wgrad, offsets_fr
 from ember.core.layers.activations import silu_mul
 from ember.core.layers.lora import LoraRoute
 
-if TYPE_CHECKING:
-    from ember.core.models.base import RoutingRecord
-
 
 @dataclass
 class Routing:
-    """The experts chosen for each token (``[T, k]``) and their mixing weights."""
+    """The experts chosen for each token (``[T, k]``) and their mixing weights; ``live``: what the
+    router itself would have chosen, when a replay overrode it."""
 
     experts: torch.Tensor
     weights: torch.Tensor
+    live: torch.Tensor | None = None
+
+
+def replayed(live: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
+    """The experts a pass uses: ``replay``'s (``[T, k]``) on rows that hold a recorded choice, the
+    live router's ``live`` on rows marked ``-1`` (tokens without a record)."""
+    if replay is None:
+        return live
+    replay = replay.to(device=live.device, dtype=torch.long)
+    return torch.where(replay[:, :1] >= 0, replay, live)
+
+
+@dataclass
+class RoutingRecord:
+    """MoE routing of a pass, per MoE layer index.
+
+    * ``record``: filled with the experts each MoE layer used (``[T, k]``).
+    * ``replay``: experts to use instead (rollout routing replay, R3; ``[T, k]``, rows of ``-1``
+      route live). Only the choice is replayed: the mixing weights come from the live router's
+      scores over the replayed experts, so gradients still flow through the router.
+    * ``reference``: recorded experts (``[T, k]``, ``-1`` rows: none) to compare the live router
+      with; ``flips`` is then filled with ``[T]`` booleans: the live router chooses another set of
+      experts than the reference for that token (whether or not the pass replays it).
+    """
+
+    record: dict[int, torch.Tensor] | None = None
+    replay: dict[int, torch.Tensor] | None = None
+    reference: dict[int, torch.Tensor] | None = None
+    flips: dict[int, torch.Tensor] | None = None
+
+    def route(self, layer: int, gate: nn.Module, x: torch.Tensor) -> Routing:
+        """Run MoE layer ``layer``'s router ``gate`` on ``x`` with this pass's replay and records."""
+        replay = self.replay.get(layer) if self.replay else None
+        r = gate(x, replay)
+        if self.record is not None:
+            self.record[layer] = r.experts.detach()
+        ref = self.reference.get(layer) if self.reference else None
+        if ref is not None and self.flips is not None:
+            ref = ref.to(device=x.device, dtype=torch.long)
+            live = r.experts if r.live is None else r.live
+            differ = (live.sort(dim=-1).values != ref.sort(dim=-1).values).any(dim=-1)
+            self.flips[layer] = differ & (ref[:, 0] >= 0)
+        return r
+
+
+def route(layer: int, gate: nn.Module, x: torch.Tensor, routing: RoutingRecord | None) -> Routing:
+    """``gate(x)`` under ``routing`` (record / replay), or the live router when it is None."""
+    return gate(x) if routing is None else routing.route(layer, gate, x)
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -46,18 +91,18 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
-        """Route ``x``; with ``replay`` (``[T, k]`` expert ids) keep those experts and take their
-        weights from the live probabilities, so gradients still reach the router (R3)."""
+        """Route ``x``; with ``replay`` (``[T, k]`` expert ids, ``-1`` rows live: :func:`replayed`)
+        keep those experts and take their weights from the live probabilities, so gradients still
+        reach the router (R3)."""
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, live = torch.topk(probs, self.top_k, dim=-1)
+        idx = replayed(live, replay)
         if replay is not None:
-            idx = replay.to(device=x.device, dtype=torch.long)
             top = probs.gather(1, idx)
-        else:
-            top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return Routing(experts=idx, weights=top.to(logits.dtype))
+        return Routing(experts=idx, weights=top.to(logits.dtype), live=live if replay is not None else None)
 
 
 class _ExpertProjection(torch.autograd.Function):
@@ -180,8 +225,4 @@ class SparseMoE(nn.Module):
         self.experts = Experts(hidden, cfg.intermediate_size, cfg.num_experts)
 
     def forward(self, x: torch.Tensor, lora: LoraRoute | None, routing: RoutingRecord | None = None) -> torch.Tensor:
-        replay = routing.replay.get(self.layer) if routing is not None and routing.replay else None
-        r = self.gate(x, replay)
-        if routing is not None and routing.record is not None:
-            routing.record[self.layer] = r.experts.detach()
-        return self.experts(x, r, lora)
+        return self.experts(x, route(self.layer, self.gate, x, routing), lora)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.core.layers.moe import Routing
+from ember.core.layers.moe import Routing, replayed
 
 
 class GroupLimitedSigmoidRouter(nn.Module):
@@ -65,15 +65,13 @@ class GroupLimitedSigmoidRouter(nn.Module):
         return torch.topk(biased, k=self.top_k, dim=-1, sorted=False)[1]
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
-        """Route ``x``; with ``replay`` (``[T, k]`` expert ids, R3) keep those experts and weight
-        them by the live scores."""
+        """Route ``x``; with ``replay`` (``[T, k]`` expert ids, ``-1`` rows live; R3) keep those
+        experts and weight them by the live scores (the bias only ever selects)."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        if replay is not None:
-            idx = replay.to(device=x.device, dtype=torch.long)
-        else:
-            idx = self.select(scores)
+        live = self.select(scores)
+        idx = replayed(live, replay)
         w = scores.gather(1, idx)
         if self.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         w = w * self.routed_scaling_factor
-        return Routing(experts=idx, weights=w.to(x.dtype))
+        return Routing(experts=idx, weights=w.to(x.dtype), live=live if replay is not None else None)

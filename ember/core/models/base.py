@@ -11,8 +11,9 @@ from torch import nn
 
 from ember.core.config import AttentionSpec, ModelConfig
 from ember.core.layers.lora import LoraLinear, LoraRoute
-from ember.core.layers.moe import Experts
+from ember.core.layers.moe import Experts, RoutingRecord, SoftmaxTopKRouter
 from ember.core.layers.rope import RotaryEmbedding
+from ember.core.layers.router import GroupLimitedSigmoidRouter
 
 # attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], spec, scale) -> [T, Hq, Dv]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionSpec, float], torch.Tensor]
@@ -28,15 +29,6 @@ class SequenceState(Protocol):
     def get(self, layer: int, name: str) -> torch.Tensor | None: ...
 
     def put(self, layer: int, name: str, value: torch.Tensor) -> None: ...
-
-
-@dataclass
-class RoutingRecord:
-    """MoE routing of a pass: ``record`` collects the experts each MoE layer chose (``[T, k]``);
-    ``replay`` (layer -> ``[T, k]``) forces those choices (rollout routing replay, R3)."""
-
-    record: dict[int, torch.Tensor] | None = None
-    replay: dict[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -107,6 +99,12 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, ctx)
         return self.model.norm(x)
+
+    def moe_routers(self) -> dict[int, nn.Module]:
+        """The router of each MoE layer, by layer index (what a :class:`RoutingRecord` records and
+        replays; each has ``top_k`` and a ``weight`` of one row per expert)."""
+        routers = (SoftmaxTopKRouter, GroupLimitedSigmoidRouter)
+        return {m.layer: m.gate for m in self.modules() if isinstance(getattr(m, "gate", None), routers)}
 
     @property
     def unembed_weight(self) -> torch.Tensor:

@@ -25,11 +25,11 @@ from ember.core.config import ModelConfig
 from ember.core.layers.lora import LoraRoute
 from ember.core.layers.mla import MLAConfig, MultiHeadLatentAttention, mla_softmax_scale
 from ember.core.layers.mlp import SwiGLU
-from ember.core.layers.moe import Experts
+from ember.core.layers.moe import Experts, RoutingRecord, route
 from ember.core.layers.norms import RMSNorm
 from ember.core.layers.rope_scaling import rotary_from_params
 from ember.core.layers.router import GroupLimitedSigmoidRouter
-from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
+from ember.core.models.base import CausalLM, ForwardContext
 
 
 def rope_params(raw: dict[str, Any]) -> dict[str, Any]:
@@ -63,10 +63,7 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = SwiGLU(cfg.hidden_size, moe.shared_intermediate_size)
 
     def forward(self, x: torch.Tensor, lora: LoraRoute | None, routing: RoutingRecord | None = None) -> torch.Tensor:
-        replay = routing.replay.get(self.layer) if routing is not None and routing.replay else None
-        r = self.gate(x, replay)
-        if routing is not None and routing.record is not None:
-            routing.record[self.layer] = r.experts.detach()
+        r = route(self.layer, self.gate, x, routing)
         return self.experts(x, r, lora) + self.shared_experts(x, lora)
 
 

@@ -51,11 +51,12 @@ from ember.core.config import ModelConfig
 from ember.core.layers.attn_residuals import BlockAttentionResidual, ResidualBank
 from ember.core.layers.capped_glu import CappedGLUExperts
 from ember.core.layers.lora import LoraLinear, LoraRoute
+from ember.core.layers.moe import RoutingRecord, route
 from ember.core.layers.norms import RMSNorm
 from ember.core.layers.relative_attention import PackedRelativeAttention, RelativeAttentionSpec
 from ember.core.layers.router import GroupLimitedSigmoidRouter
 from ember.core.layers.short_conv import DynamicShortConvolution, ShortConvolution
-from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
+from ember.core.models.base import CausalLM, ForwardContext
 
 SLIDING, GLOBAL = "hybrid_sliding", "hybrid"
 
@@ -282,10 +283,7 @@ class Inkling2MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, lora: LoraRoute | None, routing: RoutingRecord | None) -> torch.Tensor:
-        replay = routing.replay.get(self.layer) if routing is not None and routing.replay else None
-        r = self.gate(x, replay)
-        if routing is not None and routing.record is not None:
-            routing.record[self.layer] = r.experts.detach()
+        r = route(self.layer, self.gate, x, routing)
         return self.experts(x, r, lora)
 
 

@@ -39,14 +39,16 @@ from ember.core.sampling.decode import DecodeBatch, EagerDecoder
 from ember.core.sampling.graphs import StaticDecoder, default_buckets, graphs_failed
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import (
+    RowSupport,
     capped,
     chunked_rows,
     derive_seed,
+    draw_tokens,
     head_logits,
+    head_support,
     log_softmax,
     plain,
     sample_rows,
-    sample_tokens,
     seeded_uniform,
     topk_logprobs,
 )
@@ -57,8 +59,10 @@ from ember.core.sampling.requests import (
     GenerationResult,
     InvalidGeneration,
     SequenceResult,
+    TokenSupport,
 )
 from ember.core.sampling.scheduler import RequestState, Scheduler, SequenceState
+from ember.lossdefs import STABILITY_SUPPORT_MAX as SUPPORT_MAX
 
 # rows sampled at once from one prompt's logits (bounds the [rows, V] fp64 work of huge num_samples)
 SAMPLE_ROWS = 256
@@ -188,6 +192,13 @@ class SamplingEngine:
             raise InvalidGeneration(f"top_p={req.top_p} must be in (0, 1]")
         if not isinstance(req.top_k, (int, np.integer)) or req.top_k < -1:
             raise InvalidGeneration(f"top_k={req.top_k} must be -1 (off) or a positive integer")
+        if req.record_support:
+            if not isinstance(req.record_support, (int, np.integer)) or not 0 < req.record_support <= self.vocab:
+                raise InvalidGeneration(f"record_support={req.record_support} must be an integer in [1, {self.vocab}]")
+            if not plain(req.temperature, req.top_k, req.top_p, self.vocab) and not 0 < req.top_k <= SUPPORT_MAX:
+                raise InvalidGeneration(
+                    f"recording the support of truncated sampling needs top_k between 1 and {SUPPORT_MAX} "
+                    f"(got top_k={req.top_k}, top_p={req.top_p}): the kept set of every token is stored")
         for name in ("topk_prompt", "topk_sample", "prompt_alt_k"):
             k = getattr(req, name)
             if not isinstance(k, (int, np.integer)) or not 0 <= k <= self.vocab:
@@ -448,6 +459,7 @@ class SamplingEngine:
         n = len(seqs)
         tokens: list[int] = [0] * n
         token_lp: list[float] = [0.0] * n
+        supports: dict[int, object] = {}  # row -> RowSupport, for requests that record them
         todo = list(range(n))
         if chosen is not None:
             picked = chosen.cpu().numpy()
@@ -461,24 +473,37 @@ class SamplingEngine:
             part = todo[c0 : c0 + SAMPLE_ROWS]
             idx = torch.tensor([rows[i] for i in part], device=raw.device)
             sub = raw.index_select(0, idx)
-            tok = sample_tokens(
+            tok, kept = draw_tokens(
                 capped(sub, self.softcap),
                 [reqs[i].temperature for i in part],
                 [reqs[i].top_k for i in part],
                 [reqs[i].top_p for i in part],
                 [seeded_uniform(seqs[i].seed, len(seqs[i].tokens)) for i in part],
+                [reqs[i].record_support > 0 for i in part],
             )
             lps = log_softmax(sub, self.softcap).gather(1, tok[:, None])[:, 0]
             for i, t, l in zip(part, tok.tolist(), lps.tolist()):
                 tokens[i], token_lp[i] = t, l
+            supports.update({part[j]: sup for j, sup in kept.items()})
+        heads = [i for i, q in enumerate(reqs) if q.record_support and i not in supports]
+        if heads:  # untruncated rows: the head of the distribution each token was drawn from
+            idx = torch.tensor([rows[i] for i in heads], device=raw.device)
+            rec = head_support(capped(raw.index_select(0, idx), self.softcap), [reqs[i].temperature for i in heads],
+                               [tokens[i] for i in heads], max(reqs[i].record_support for i in heads))
+            for i, sup in zip(heads, rec):
+                k = reqs[i].record_support
+                supports[i] = sup if len(sup.ids) <= k else RowSupport(sup.ids[:k], sup.q[:k], float(sup.q[:k].sum()),
+                                                                       sup.logprob)
         k_max = max(q.topk_sample for q in reqs)
         if k_max:
             top_ids, top_vals = topk_logprobs(log_softmax(raw, self.softcap), k_max)
         if self.stats.first_token_time is None:
             self.stats.first_token_time = time.perf_counter()
-        for s, req, r_i, t, l in zip(seqs, reqs, rows, tokens, token_lp):
+        for i, (s, req, r_i, t, l) in enumerate(zip(seqs, reqs, rows, tokens, token_lp)):
             s.tokens.append(t)
             s.logprobs.append(l)
+            if req.record_support:
+                s.support.append(supports[i])
             if req.topk_sample:
                 s.topk_ids.append(top_ids[r_i, : req.topk_sample])
                 s.topk_logprobs.append(top_vals[r_i, : req.topk_sample])
@@ -508,6 +533,8 @@ class SamplingEngine:
                     topk_ids=np.stack(s.topk_ids).astype(np.int32) if k else None,
                     topk_logprobs=np.stack(s.topk_logprobs).astype(np.float32) if k else None,
                     routing=np.concatenate([r.prompt_routing, *s.routing]) if req.record_routing else None,
+                    support=TokenSupport.stack(not plain(req.temperature, req.top_k, req.top_p, self.vocab), s.support)
+                    if req.record_support else None,
                 )
             )
         topk = r.outputs.get("topk_prompt")

@@ -22,6 +22,7 @@ own parameters.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -108,9 +109,24 @@ def sample_tokens(
 ) -> torch.Tensor:
     """One token per row of ``logits`` (``[B, V]``, softcap already applied), each row with its own
     parameters and uniform number (see module doc). Returns ``[B]`` (long)."""
+    return draw_tokens(logits, temperature, top_k, top_p, uniforms)[0]
+
+
+def draw_tokens(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    uniforms: Sequence[float],
+    keep_support: Sequence[bool] | None = None,
+) -> tuple[torch.Tensor, dict[int, RowSupport]]:
+    """:func:`sample_tokens`, and for each truncated (top-k/top-p) row ``i`` with
+    ``keep_support[i]`` the kept set the token was drawn from (:class:`RowSupport`, computed from
+    the very probabilities of the draw)."""
     B, V = logits.shape
     device = logits.device
     out = torch.empty(B, dtype=torch.long, device=device)
+    supports: dict[int, RowSupport] = {}
     simple = [i for i in range(B) if plain(temperature[i], top_k[i], top_p[i], V)]
     filtered = [i for i in range(B) if not plain(temperature[i], top_k[i], top_p[i], V)]
     if simple:
@@ -128,13 +144,77 @@ def sample_tokens(
         ranks = torch.arange(V, device=device)[None, :]
         ks = torch.tensor([_k(top_k[i], V) for i in filtered], device=device)[:, None]
         probs = probs * (ranks < ks)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        top_k_mass = probs.sum(dim=-1, keepdim=True)
+        probs = probs / top_k_mass
         ps = _col([top_p[i] for i in filtered], device)
         before = torch.cumsum(probs, dim=-1) - probs  # probability of the more likely tokens
         probs = probs * ((before < ps) | (ps >= 1))
         pick = _invert_cdf(probs, _col([uniforms[i] for i in filtered], device))
         out[idx] = order.gather(1, pick[:, None])[:, 0]
+        rows = [j for j, i in enumerate(filtered) if keep_support is not None and keep_support[i]]
+        if rows:
+            supports.update(_kept_sets(probs, order, top_k_mass[:, 0], pick, rows, filtered))
+    return out, supports
+
+
+@dataclass
+class RowSupport:
+    """What one token was drawn from (the stability record, ``shared/spec/stability.md``).
+
+    ``ids`` (int32, most likely first) with probabilities ``q`` (float32): the kept set after
+    temperature, top-k and top-p with ``q`` renormalised over it, or, for untruncated sampling,
+    the most likely tokens of the full distribution with their probabilities in it. ``mass``: the
+    probability of ``ids`` under ``softmax(z / τ)``; ``logprob``: log q of the sampled token (the
+    sampler's processed logprob)."""
+
+    ids: np.ndarray
+    q: np.ndarray
+    mass: float
+    logprob: float
+
+
+def _kept_sets(probs, order, top_k_mass, pick, rows, filtered) -> dict[int, RowSupport]:
+    """Kept sets of the truncated rows ``rows`` (indices into ``filtered``). Top-k and top-p keep
+    a prefix of the sorted order, so a row's set is its first ``count`` sorted entries."""
+    idx = torch.tensor(rows, device=probs.device)
+    p = probs.index_select(0, idx)
+    counts = (p > 0).sum(dim=-1)
+    width = int(counts.max())
+    mass = p.sum(dim=-1)
+    q = (p[:, :width] / mass[:, None]).cpu().numpy()
+    ids = order.index_select(0, idx)[:, :width].to(torch.int32).cpu().numpy()
+    kept = (mass * top_k_mass.index_select(0, idx)).cpu().numpy()
+    picks, counts = pick.index_select(0, idx).cpu().numpy(), counts.cpu().numpy()
+    out = {}
+    for j, r in enumerate(rows):
+        n = int(counts[j])
+        out[filtered[r]] = RowSupport(ids[j, :n].copy(), q[j, :n].astype(np.float32), float(kept[j]),
+                                      float(np.log(q[j, int(picks[j])])))
     return out
+
+
+def head_support(z: torch.Tensor, temperature: Sequence[float], tokens: Sequence[int], k: int) -> list[RowSupport]:
+    """Untruncated rows (``z`` ``[B, V]`` capped logits): the ``k`` most likely tokens of
+    ``softmax(z / τ)`` with their probabilities, and the sampled token's logprob at ``τ``. A greedy
+    row (``τ = 0``) was drawn from the single token it chose."""
+    out: list[RowSupport | None] = [None] * len(tokens)
+    hot = [i for i, t in enumerate(temperature) if t > 0]
+    for i, t in enumerate(temperature):
+        if t <= 0:
+            out[i] = RowSupport(np.array([tokens[i]], np.int32), np.ones(1, np.float32), 1.0, 0.0)
+    if hot:
+        idx = torch.tensor(hot, device=z.device)
+        zs = z.index_select(0, idx).double() / _col([temperature[i] for i in hot], z.device)
+        lse = torch.logsumexp(zs, dim=-1, keepdim=True)
+        top, ids = torch.topk(zs, min(k, z.shape[-1]), dim=-1)
+        q = torch.exp(top - lse)
+        tok = torch.tensor([tokens[i] for i in hot], device=z.device)[:, None]
+        lp = (zs.gather(1, tok) - lse)[:, 0]
+        q_np, ids_np = q.float().cpu().numpy(), ids.to(torch.int32).cpu().numpy()
+        mass, lp = q.sum(dim=-1).cpu().numpy(), lp.cpu().numpy()
+        for j, i in enumerate(hot):
+            out[i] = RowSupport(ids_np[j], q_np[j], float(mass[j]), float(lp[j]))
+    return out  # type: ignore[return-value]
 
 
 def _k(top_k: int, vocab: int) -> int:

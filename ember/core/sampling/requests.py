@@ -87,6 +87,9 @@ class GenerationRequest:
     * ``prompt_alt_k``: draw that many tokens (independently, with replacement, at the request's
       temperature; no top-k/top-p) at every prompt position ``1..P-1`` from the model's distribution
       there, with their logprobs (0: off).
+    * ``record_support``: record what every sampled token was drawn from (:class:`TokenSupport`):
+      the kept set when top-k/top-p truncate, else the ``record_support`` most likely tokens
+      (0: off).
     """
 
     prompt: Sequence[int]
@@ -103,10 +106,40 @@ class GenerationRequest:
     topk_sample: int = 0
     record_routing: bool = False
     prompt_alt_k: int = 0
+    record_support: int = 0
 
     @property
     def num_samples(self) -> int:
         return len(self.seeds)
+
+
+@dataclass
+class TokenSupport:
+    """The sampler's support of each generated token of a sequence (``shared/spec/stability.md``).
+
+    ``truncated``: top-k/top-p truncated the distribution, and ``ids`` is the kept set of each
+    token (temperature, then top-k, then top-p) with ``q`` renormalised over it; otherwise ``ids``
+    are the most likely tokens of the full ``softmax(z / τ)`` and ``q`` their probabilities in it.
+    ``ids`` int32 ``[G, K]`` (most likely first, ``-1`` padded), ``q`` float32 ``[G, K]`` (0
+    padded), ``mass`` float32 ``[G]`` (the probability of ``ids`` under ``softmax(z / τ)``),
+    ``logprob`` float32 ``[G]`` (log q of the sampled token)."""
+
+    truncated: bool
+    ids: np.ndarray
+    q: np.ndarray
+    mass: np.ndarray
+    logprob: np.ndarray
+
+    @classmethod
+    def stack(cls, truncated: bool, rows: list) -> TokenSupport:
+        """From per-token :class:`~ember.core.sampling.logits.RowSupport` rows."""
+        width = max(len(r.ids) for r in rows)
+        ids = np.full((len(rows), width), -1, np.int32)
+        q = np.zeros((len(rows), width), np.float32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r.ids)], q[i, : len(r.q)] = r.ids, r.q
+        mass = np.array([r.mass for r in rows], np.float32)
+        return cls(truncated, ids, q, mass, np.array([r.logprob for r in rows], np.float32))
 
 
 @dataclass
@@ -117,7 +150,7 @@ class SequenceResult:
     ``topk_ids``/``topk_logprobs`` ``[G, k]`` when asked. ``routing`` ``[P + G - 1, L, k]``: the
     experts of each MoE layer (``GenerationResult.routing_layers``) for every token the model read,
     i.e. the prompt and all generated tokens but the last (the input of the training datum built
-    from this sample).
+    from this sample). ``support``: with ``record_support``.
     """
 
     tokens: np.ndarray
@@ -126,6 +159,7 @@ class SequenceResult:
     topk_ids: np.ndarray | None = None
     topk_logprobs: np.ndarray | None = None
     routing: np.ndarray | None = None
+    support: TokenSupport | None = None
 
 
 @dataclass

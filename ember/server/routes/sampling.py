@@ -105,7 +105,8 @@ def _submit_sample(st, owner: str, body: schemas.SampleRequest) -> dict:
     except WireError as e:
         raise bad_request(str(e)) from None
     kind = "snapshot" if sampler.source_model_id else ("checkpoint" if sampler.weights_uri else "base")
-    payload.update(kind=kind, weights_uri=sampler.weights_uri, model_path=sampler.model_path)
+    payload.update(kind=kind, weights_uri=sampler.weights_uri, model_path=sampler.model_path,
+                   session_id=sampler.session_id)  # stability records belong to the session
     rid = submit(
         st,
         owner=owner,

@@ -11,6 +11,7 @@ import secrets
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 
+from ember.lossdefs import LOSS_SPECS, LossSpec
 from ember.lossgraph import ProgramError, validate_program
 from ember.server.auth import require_owner
 from ember.server.errors import ApiError, bad_request
@@ -220,6 +221,8 @@ def _submit_forward_backward(st, owner: str, msg) -> dict:
             decoded = decode_forward_backward(msg, st.config.models[model.base_model].limits, program)
         except WireError as e:
             raise bad_request(str(e)) from None
+        if LOSS_SPECS.get(decoded.loss_fn, LossSpec(())).needs_provenance:
+            decoded.payload["session_id"] = model.session_id  # whose stability records the spans may name
         rid = submit(
             st, owner=owner, base_model=model.base_model, op="forward_backward", payload=encode(decoded.payload),
             model_id=model.id, seq_id=decoded.seq_id, n_tokens=decoded.n_tokens, reply=_FB_REPLY, live=not checked,

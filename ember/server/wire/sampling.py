@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from ember.lossdefs import STABILITY_SUPPORT_MAX
 from ember.server.wire import tinker_proto as pb
 from ember.server.wire.schemas import SampleRequest
 from ember.server.wire.training import ModelLimits, WireError
@@ -88,6 +89,11 @@ def decode_sample_request(body: SampleRequest, limits: ModelLimits) -> tuple[dic
         k = getattr(body, name)
         if not 0 <= k <= MAX_TOPK:
             raise WireError(f"{name}={k} must be between 0 and {MAX_TOPK}")
+    truncated = 0 < sp.top_k < limits.vocab_size or sp.top_p < 1
+    if body.record_stability_info and truncated and not 0 < sp.top_k <= STABILITY_SUPPORT_MAX:
+        raise WireError(f"record_stability_info with truncated sampling (top_k={sp.top_k}, top_p={sp.top_p}) needs "
+                        f"sampling_params.top_k between 1 and {STABILITY_SUPPORT_MAX}: the kept set of every token "
+                        "is recorded for stable_reinforce")
     stop = sp.stop
     if isinstance(stop, list) and any(isinstance(s, int) and not 0 <= s < limits.vocab_size for s in stop):
         raise WireError(f"sampling_params.stop token ids must be in [0, {limits.vocab_size})")
@@ -108,6 +114,7 @@ def decode_sample_request(body: SampleRequest, limits: ModelLimits) -> tuple[dic
         "topk_sample_logprobs": body.topk_sample_logprobs,
         "target_prompt_logprobs": targets,
         "prompt_alt_tokens_k": body.prompt_alt_tokens_k,
+        "record_stability": bool(body.record_stability_info),
     }
     cost = prompt.size + body.num_samples * (sp.max_tokens or room)
     return payload, cost, layout

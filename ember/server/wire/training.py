@@ -245,12 +245,53 @@ def _decode_data(msg, limits: ModelLimits, loss_fn: str, config: dict, program: 
             loss_inputs[key] = arr.astype(np.float32)
         if program is not None:
             loss_inputs.update(_custom_inputs(inputs, targets, program, where))
-        datums.append({"tokens": tokens, "loss_inputs": loss_inputs})
+        datum = {"tokens": tokens, "loss_inputs": loss_inputs}
+        if spec.needs_provenance:
+            datum.update(_provenance(d, n, targets.shape[0], loss_fn, where))
+        datums.append(datum)
         n_tokens += n
     payload = {"loss_fn": loss_fn, "loss_config": config, "forward_only": bool(msg.forward_only), "datums": datums}
     if program is not None:
         payload["custom_loss"] = program
     return DecodedForwardBackward(msg.model_id, int(msg.seq_id), bool(msg.forward_only), loss_fn, payload, n_tokens)
+
+
+MAX_SPAN_ID = 200  # characters of a provenance span's sequence_id
+
+
+def _provenance(d, n_inputs: int, n_targets: int, loss_fn: str, where: str) -> dict:
+    """A datum's provenance spans (``Datum.with_provenance``): ``input_spans`` tiling its model
+    input and ``target_spans`` tiling its targets, each ``[kind, sequence_id, offset, length]``
+    with kind ``prompt`` or ``sampled``."""
+    if not len(d.model_input_spans) or not len(d.loss_fn_input_spans):
+        raise WireError(f"{where}: loss_fn {loss_fn!r} needs provenance on every datum (Datum.with_provenance: "
+                        "model_input and loss_fn_inputs spans naming the sampled sequences, from a sampling "
+                        "client with record_stability_info=True)")
+    return {
+        "input_spans": _spans(d.model_input_spans, n_inputs, f"{where}.model_input_spans"),
+        "target_spans": _spans(d.loss_fn_input_spans, n_targets, f"{where}.loss_fn_input_spans"),
+    }
+
+
+def _spans(spans, total: int, where: str) -> list[list]:
+    if len(spans) > total + 16:
+        raise WireError(f"{where}: {len(spans)} spans for {total} positions")
+    out, covered = [], 0
+    for j, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise WireError(f"{where}[{j}]: a span must be prompt_tokens or sampled_tokens")
+        arm = getattr(span, kind)
+        if not arm.sequence_id or len(arm.sequence_id) > MAX_SPAN_ID:
+            raise WireError(f"{where}[{j}].sequence_id must be a SampledSequence.sequence_id (1 to {MAX_SPAN_ID} chars)")
+        if not 0 <= arm.offset < 1 << 31 or not 0 <= arm.length <= total:
+            raise WireError(f"{where}[{j}]: offset={arm.offset} and length={arm.length} must be >= 0 "
+                            f"(length at most the datum's {total} positions)")
+        out.append(["prompt" if kind == "prompt_tokens" else "sampled", arm.sequence_id, int(arm.offset), int(arm.length)])
+        covered += arm.length
+    if covered != total:
+        raise WireError(f"{where}: spans cover {covered} positions but the field has {total}; they must tile it")
+    return out
 
 
 def _custom_inputs(inputs: dict[str, np.ndarray], targets: np.ndarray, program: dict, where: str) -> dict[str, np.ndarray]:

@@ -237,7 +237,8 @@ class EngineService:
         log.info(
             "packed pass",
             extra={"requests": len(futures), "models": len({f.model_id for f in futures}), "tokens": tokens,
-                   "seconds": round(seconds, 4), "queued_ms": round(queued_ms, 3)},
+                   "losses": sorted({r.loss_fn for r in ready}), "seconds": round(seconds, 4),
+                   "queued_ms": round(queued_ms, 3)},
         )
         for f, payload in follow:
             self._run_op(f, payload)

@@ -262,8 +262,10 @@ def resolve_datum(
     for j, (kind, sid, off, length, pos) in enumerate(_walk(target_spans, n, f"{where}.loss_fn_input_spans")):
         rec = record(sid)
         source = _source(rec, kind, off, length, f"{where}.loss_fn_input_spans[{j}]")
+        if kind == "prompt":  # no term there; tinker-cookbook's rl_loop pads these targets with 0
+            continue
         _same(targets[pos : pos + length], source, f"{where}.loss_fn_input_spans[{j}]", "target_tokens", sid, kind, off)
-        if kind == "sampled" and length:
+        if length:
             kinds[pos : pos + length] = KIND_KEPT if rec.truncated else KIND_HEAD
             inv_t[pos : pos + length] = 1.0 / rec.temperature if rec.temperature > 0 else 1.0
             mass[pos : pos + length] = rec.mass[off : off + length]

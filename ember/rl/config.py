@@ -32,7 +32,7 @@ class SamplingConfig:
     max_context: int | None = None  # end an episode whose next prompt would exceed this (tokens)
 
 
-LOSS_KINDS = ("reinforce", "importance_sampling", "ppo", "cispo", "gspo")
+LOSS_KINDS = ("reinforce", "importance_sampling", "ppo", "cispo", "gspo", "stable_reinforce")
 # ε defaults by loss: PPO with DAPO clip-higher (0.2 / 0.28), CISPO = Tinker's [0, 4], GSPO's paper values.
 DEFAULT_EPS = {"ppo": (0.2, 0.28), "cispo": (1.0, 3.0), "gspo": (3e-4, 4e-4)}
 
@@ -41,7 +41,7 @@ DEFAULT_EPS = {"ppo": (0.2, 0.28), "cispo": (1.0, 3.0), "gspo": (3e-4, 4e-4)}
 class LossConfig:
     """The policy loss and its corrections (spec §5.2–5.7, 5.11, 5.12)."""
 
-    kind: str = "ppo"  # reinforce | importance_sampling | ppo | cispo | gspo
+    kind: str = "ppo"  # reinforce | importance_sampling | ppo | cispo | gspo | stable_reinforce (server-side replay)
     eps_low: float | None = None  # ratio clip [1 − eps_low, 1 + eps_high]; None = the loss's default
     eps_high: float | None = None
     dual_clip: float | None = None  # c (e.g. 3) for A < 0; PPO only, custom backend
@@ -70,6 +70,15 @@ class LossConfig:
                 raise ValueError(f"loss.{name} = {value!r}; allowed: {', '.join(allowed)}")
         if self.dual_clip is not None and self.kind != "ppo":
             raise ValueError("loss.dual_clip applies to kind = 'ppo' only")
+        if self.kind == "stable_reinforce":
+            # the service replays the sampler's record itself: corrections other than its own
+            # token TIS (loss.tis_cap) and a π_old recompute have no meaning there
+            if self.correction not in ("none", "tis"):
+                raise ValueError(f"loss.correction = {self.correction!r} does not apply to stable_reinforce; "
+                                 "use 'none' or 'tis' (the service's token TIS over the sampler's support)")
+            if self.recompute_old_logprobs or self.backend == "custom" or (self.kl_coef and self.kl_mode == "loss"):
+                raise ValueError("stable_reinforce runs on the service (backend 'auto' or 'server'), without "
+                                 "recompute_old_logprobs or a KL term in the loss (kl_mode = 'reward' works)")
         if self.backend == "server" and self.needs_custom():
             raise ValueError(f"loss.backend = 'server' cannot run {self.custom_reason()}; use 'auto' or 'custom'")
 

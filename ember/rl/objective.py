@@ -15,6 +15,7 @@ Two ways to run the same objective (``LossConfig.backend``):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,16 +68,37 @@ class TrainBatch:
     def pi_old(self) -> torch.Tensor:
         return self.sampler_logp if self.old_logp is None else self.old_logp
 
-    def datums(self, inputs: dict[str, torch.Tensor] | None = None) -> list[types.Datum]:
+    def datums(self, inputs: dict[str, torch.Tensor] | None = None, provenance: bool = False) -> list[types.Datum]:
         """One Datum per trajectory (``input = tokens[:-1]``, ``target_tokens = tokens[1:]``) with
-        the given ``[B, T]`` loss inputs cut back to each row's length."""
+        the given ``[B, T]`` loss inputs cut back to each row's length; with ``provenance``, the
+        spans naming the sampled sequences behind every position (``Datum.with_provenance``)."""
         out = []
         for i, (t, n) in enumerate(zip(self.trajectories, self.lengths)):
             fields: dict[str, Any] = {"target_tokens": list(t.tokens[1:])}
             for name, value in (inputs or {}).items():
                 fields[name] = value[i, :n].to(torch.float32).tolist()
-            out.append(types.Datum(model_input=types.ModelInput.from_ints(t.tokens[:-1]), loss_fn_inputs=fields))
+            datum = types.Datum(model_input=types.ModelInput.from_ints(t.tokens[:-1]), loss_fn_inputs=fields)
+            if provenance:
+                if t.spans is None:
+                    raise RuntimeError("stable_reinforce needs every sample's sequence_id; the sampler returned none")
+                datum = datum.with_provenance(model_input=_shift(t.spans, last=True), loss_fn_inputs=_shift(t.spans))
+            out.append(datum)
         return out
+
+
+def _shift(spans: list, last: bool = False) -> list:
+    """Spans tiling ``tokens`` cut to tile ``tokens[:-1]`` (``last``: the model input) or
+    ``tokens[1:]`` (the targets)."""
+    spans = list(spans)
+    i = -1 if last else 0
+    edge = spans[i]
+    if edge.length == 1:
+        spans.pop(i)
+    elif last:
+        spans[i] = dataclasses.replace(edge, length=edge.length - 1)
+    else:
+        spans[i] = dataclasses.replace(edge, offset=edge.offset + 1, length=edge.length - 1)
+    return spans
 
 
 def apply_kl_to_advantages(batch: TrainBatch, cfg: LossConfig) -> dict[str, float]:
@@ -139,6 +161,10 @@ def objective_loss(logp: torch.Tensor, batch: TrainBatch, cfg: LossConfig, norm_
 def server_inputs(batch: TrainBatch, cfg: LossConfig, norm_len: int) -> tuple[str, dict[str, torch.Tensor],
                                                                              dict[str, float], dict[str, float]]:
     """The built-in Tinker loss, its per-token inputs and config for ``batch`` (folded advantages)."""
+    if cfg.kind == "stable_reinforce":  # the service applies its own TIS, over the sampler's support
+        coef = L.aggregation_weights(batch.mask, cfg.aggregation, max_len=norm_len)
+        config = {"tis_cap": cfg.tis_cap} if cfg.correction == "tis" else {}
+        return "stable_reinforce", {"logprobs": batch.sampler_logp, "advantages": batch.adv * coef}, config, {}
     coef, metrics = token_coefficients(batch, cfg, norm_len)
     folded = batch.adv * coef
     if cfg.kind == "reinforce":
@@ -172,11 +198,14 @@ def forward_backward(training_client: Any, batch: TrainBatch, cfg: LossConfig, n
         return fut, finish
 
     loss_fn, inputs, config, metrics = server_inputs(batch, cfg, norm_len)
-    fut = training_client.forward_backward(batch.datums(inputs), loss_fn, config or None)
+    fut = training_client.forward_backward(batch.datums(inputs, provenance=loss_fn == "stable_reinforce"), loss_fn,
+                                           config or None)
 
     def finish(result) -> tuple[dict[str, float], torch.Tensor]:
         lp = pad([o["logprobs"].to_numpy() for o in result.loss_fn_outputs], width=batch.mask.shape[1])
         out = dict(metrics, loss=float(result.metrics["loss:sum"]))
+        # the service's replay diagnostics (stability/gap, support masses, route flips)
+        out.update({k.split(":")[0]: v for k, v in result.metrics.items() if k.startswith("stability/")})
         if cfg.kind in ("ppo", "cispo"):  # which tokens the server clipped, from the logprobs it used
             lo, hi = cfg.eps()
             fn = L.ppo_loss if cfg.kind == "ppo" else L.cispo_loss

@@ -31,6 +31,10 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     truncated: bool = False  # a turn ended at max_tokens (or the context was full)
     turns: int = 0
+    # Where each token came from (tinker provenance spans tiling ``tokens``), while every turn's
+    # sample had a sequence_id; None otherwise. ``stable_reinforce`` datums carry them.
+    spans: list | None = field(default_factory=list)
+    unspanned: int = 0  # tokens at the end of ``tokens`` that the next request's prompt brings
 
     @property
     def num_sampled(self) -> int:
@@ -78,6 +82,7 @@ def rollout_groups(
             t.tokens = list(prompts[g][e])
             t.policy_mask = [0] * len(t.tokens)
             t.sampler_logprobs = [0.0] * len(t.tokens)
+            t.unspanned = len(t.tokens)
     active = {(g, e) for g in range(len(problems)) for e in range(group_size)}
     turn = 0
     while active:
@@ -110,6 +115,7 @@ def rollout_groups(
                     raise RuntimeError("the sampler returned no per-token logprobs; RL needs them")
                 t.tokens += tokens
                 t.policy_mask += [1] * len(tokens)
+                _add_spans(t, seq.sequence_id, len(tokens))
                 t.sampler_logprobs += [float(x) for x in seq.logprobs]
                 t.turns += 1
                 t.truncated |= seq.stop_reason == "length"
@@ -122,8 +128,24 @@ def rollout_groups(
                     t.tokens += step.observation
                     t.policy_mask += [0] * len(step.observation)
                     t.sampler_logprobs += [0.0] * len(step.observation)
+                    t.unspanned = len(step.observation)
         turn += 1
     return [Group(p, ts) for p, ts in zip(problems, trajs)]
+
+
+def _add_spans(t: Trajectory, sequence_id: str | None, n_sampled: int) -> None:
+    """Record the provenance of a turn just appended to ``t.tokens``: the prompt tokens new in this
+    request (at the end of its prompt) and the ``n_sampled`` tokens it sampled."""
+    if t.spans is None or sequence_id is None:
+        t.spans = None
+        return
+    prompt_len = len(t.tokens) - n_sampled
+    if t.unspanned:
+        t.spans.append(types.PromptProvenanceSpan(sequence_id=sequence_id, offset=prompt_len - t.unspanned,
+                                                  length=t.unspanned))
+    if n_sampled:
+        t.spans.append(types.SampledProvenanceSpan(sequence_id=sequence_id, length=n_sampled))
+    t.unspanned = 0
 
 
 def evaluate(sampling_client: Any, task: Task, problems: Sequence[Problem], cfg: SamplingConfig, *, k: int = 1,

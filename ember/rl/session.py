@@ -78,8 +78,11 @@ class Run:
         return self.training.get_tokenizer()
 
     def sampler(self) -> Any:
-        """A sampling client on the current weights (an in-memory snapshot on the service)."""
-        return self.training.save_weights_and_get_sampling_client().result()
+        """A sampling client on the current weights (an in-memory snapshot on the service); it
+        records stability information when the loss replays it (``stable_reinforce``)."""
+        loss = getattr(self.cfg, "loss", None)
+        record = loss is not None and loss.kind == "stable_reinforce"
+        return self.training.save_weights_and_get_sampling_client(record_stability_info=record).result()
 
     def state(self, step: int, data_position: int, **extra: Any) -> TrainerState:
         return TrainerState(step=step, data_position=data_position, rng_state=self.rng.bit_generator.state,

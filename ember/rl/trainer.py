@@ -153,8 +153,9 @@ class RLTrainer:
             opt = tc.optim_step(lr)
             m, trainer_lp = finish(fut.result())
             opt.result()
-            if n_mb == 0 and staleness == 0 and batch.old_logp is None:
-                # the first mini-batch runs at the sampled weights: the trainer/sampler gap
+            if n_mb == 0 and staleness == 0 and batch.old_logp is None and cfg.loss.kind != "stable_reinforce":
+                # the first mini-batch runs at the sampled weights: the trainer/sampler gap (with
+                # stable_reinforce the trainer returns log p_S, and the service reports stability/gap)
                 m.update(L.logprob_gap(trainer_lp, sub.sampler_logp, sub.mask))
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -1,6 +1,7 @@
 """tinker-cookbook 0.6.1, unmodified and offline, against a live ``ember serve`` (a few steps each
 on a tiny random model): chat SL with an interrupted run resumed exactly, math RL on synthetic
-arithmetic with ``loss_fn=importance_sampling``, the multi-turn guess-the-number game, and DPO
+arithmetic with ``loss_fn=importance_sampling`` and with its default ``stable_reinforce`` (also
+async, one step off policy), the multi-turn guess-the-number game, and DPO
 through ``forward_backward_custom`` on a local comparisons file."""
 
 from __future__ import annotations
@@ -79,6 +80,39 @@ def test_math_rl_arithmetic_with_importance_sampling(cookbook_server, tmp_path):
         assert abs(r["optim/kl_sample_train_v1"]) < 1e-3 and r["optim/kl_sample_train_v2"] < 1e-5
     final = [json.loads(x) for x in (log_dir / "checkpoints.jsonl").read_text().splitlines()][-1]
     assert final["name"] == "final"
+
+
+def _math_rl_default_loss(server, log_dir: Path, *extra: str) -> list[str]:
+    """math_rl on synthetic arithmetic with the recipe's own loss (no loss_fn: stable_reinforce)."""
+    return [f"model_name={server.model}", "renderer_name=role_colon", "env=arithmetic", "group_size=4",
+            "groups_per_batch=4", "max_tokens=5", "save_every=0", "eval_every=0", "lora_rank=8",
+            "learning_rate=1e-4", "behavior_if_log_dir_exists=delete", f"log_path={log_dir}", *extra]
+
+
+def test_math_rl_with_its_default_loss_stable_reinforce(cookbook_server, tmp_path):
+    """The recipe as a new user runs it: loss_fn defaults to stable_reinforce, so the sampler
+    records stability information and every datum carries provenance."""
+    log_dir = tmp_path / "math_rl_sr"
+    cookbook_server.recipe("tinker_cookbook.recipes.math_rl.train",
+                           _math_rl_default_loss(cookbook_server, log_dir, "max_steps=3"), tmp_path)
+    records = {s: r for s, r in _records(log_dir / "metrics.jsonl").items() if "env/all/total_episodes" in r}
+    assert sorted(records) == [0, 1, 2]
+    for r in records.values():
+        assert r["env/all/total_episodes"] == 16
+        # the trainer's replayed logprobs of the sampled tokens equal the sampler's (τ = 1, untruncated)
+        assert abs(r["optim/kl_sample_train_v1"]) < 1e-3 and r["optim/kl_sample_train_v2"] < 1e-5
+    assert json.loads((log_dir / "config.json").read_text())["loss_fn"] == "stable_reinforce"
+    assert '"losses": ["stable_reinforce"]' in cookbook_server.log.read_text()  # what the engine ran
+
+
+def test_math_rl_async_one_step_off_policy(cookbook_server, tmp_path):
+    """An async run (max_steps_off_policy=1): sampling runs a step ahead of training, and
+    stable_reinforce trains on records made by the previous weights' sampler."""
+    log_dir = tmp_path / "math_rl_async"
+    cookbook_server.recipe("tinker_cookbook.recipes.math_rl.train", _math_rl_default_loss(
+        cookbook_server, log_dir, "max_steps=3", "max_steps_off_policy=1"), tmp_path)
+    records = {s: r for s, r in _records(log_dir / "metrics.jsonl").items() if "env/all/total_episodes" in r}
+    assert len(records) == 3, sorted(records)
 
 
 def test_multiplayer_guess_number(cookbook_server, tmp_path):

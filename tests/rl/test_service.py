@@ -110,7 +110,7 @@ def test_samplers_beyond_the_adapter_bank_keep_their_snapshot(rl_env):
                             loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * 8})
         tc.forward_backward([datum], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
-        s = tc.save_weights_and_get_sampling_client().result()
+        s = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
         out = s.sample(prompt, 1, greedy).result().sequences[0]
         samplers.append(s)
         first.append((out.tokens, out.logprobs))
@@ -120,6 +120,23 @@ def test_samplers_beyond_the_adapter_bank_keep_their_snapshot(rl_env):
         assert again.tokens == tokens
         np.testing.assert_allclose(again.logprobs, logprobs, rtol=0, atol=1e-5)
     assert "sampler parked" in rl_env.log.read_text()
+    # stability records outlive the parking of their sampler's adapter: train on the first
+    # sampler's record (made before it was parked) with stable_reinforce
+    seq = samplers[0].sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=1.0, top_k=8, seed=1,
+                                                             stop=[])).result().sequences[0]
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 17, 42, 9] + seq.tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": [17, 42, 9] + seq.tokens,
+                                        "advantages": [0.0] * 3 + [1.0] * len(seq.tokens)})
+    sid = seq.sequence_id
+    datum = datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=sid, length=4),
+                     types.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens) - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=3),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens))])
+    for s in samplers[1:]:  # park the first sampler again
+        s.sample(prompt, 1, greedy).result()
+    out = tc.forward_backward([datum], "stable_reinforce").result()
+    assert out.metrics["stability/tokens:sum"] == len(seq.tokens) and math.isfinite(out.metrics["loss:sum"])
     sc.close("success").result()
 
 
@@ -170,7 +187,10 @@ def test_rl_resumes_exactly(rl_env, sft_state, tmp_path):
             "loss.dual_clip": 3, "minibatch_prompts": 8}),
     dict(async_staleness=1, dynamic_sampling="true", overlong_max_len=4, overlong_cache_len=2,
          overlong_factor=0.5, leave_one_out="true", normalize_by_std="false"),
-], ids=["gspo-custom", "cispo", "ppo-recompute-tis-kl-dualclip", "async-dynamic-overlong-rloo"])
+    dict(**{"loss.kind": "stable_reinforce", "sampling.top_k": 8, "loss.correction": "tis", "loss.tis_cap": 1.5}),
+    dict(**{"loss.kind": "stable_reinforce", "sampling.temperature": 0.9, "async_staleness": 1}),
+], ids=["gspo-custom", "cispo", "ppo-recompute-tis-kl-dualclip", "async-dynamic-overlong-rloo",
+        "stable-reinforce-topk-tis", "stable-reinforce-async"])
 def test_rl_variants(rl_env, sft_state, tmp_path, variant):
     state_path, _ = sft_state
     result = run_rl(_rl_config(rl_env, tmp_path, state_path, steps=2, eval_problems=20, **variant))
@@ -187,19 +207,28 @@ def test_rl_variants(rl_env, sft_state, tmp_path, variant):
     if variant.get("async_staleness"):
         assert [r["train/staleness"] for r in train] == [0.0, 1.0]
         assert all(r["sampling/groups_kept"] <= r["sampling/groups_sampled"] for r in train)
+    if variant.get("loss.kind") == "stable_reinforce":  # the service replayed the sampler's record
+        synchronous = [r for r in train if r["train/staleness"] == 0]
+        assert synchronous and all(r["stability/gap"] < 1e-4 for r in synchronous), train
+        assert all(r["stability/tokens"] > 0 for r in train)
     if "loss.recompute_old_logprobs" in variant:
         assert "gap/mean_abs_logprob_diff" in train[0] and "kl/policy_ref" in train[0]
         assert train[0]["train/optimizer_steps"] == 2.0
     assert (tmp_path / "plots" / "reward.png").stat().st_size > 1000
 
 
-def test_multi_turn_rl_runs(rl_env, sft_state, tmp_path):
+@pytest.mark.parametrize("kind", ["ppo", "stable_reinforce"])
+def test_multi_turn_rl_runs(rl_env, sft_state, tmp_path, kind):
+    """Two-turn episodes; with stable_reinforce every datum names the prompt and sampled tokens
+    of each turn's request (later turns' prompts hold the earlier turns and the observation)."""
     state_path, _ = sft_state
-    cfg = _rl_config(rl_env, tmp_path, state_path, steps=1, eval_problems=10)
+    cfg = _rl_config(rl_env, tmp_path, state_path, steps=1, eval_problems=10, **{"loss.kind": kind})
     cfg.task = {"kind": "arithmetic_chain", "turns": 2, "min_digits": 1, "max_digits": 1, "num_eval": 10}
     run_rl(cfg)
     (r,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/reward" in r]
     assert 1.0 <= r["train/turns"] <= 2.0 and math.isfinite(r["train/loss"])
+    if kind == "stable_reinforce":
+        assert r["train/turns"] > 1.0 and r["stability/gap"] < 1e-4
 
 
 def test_grpo_raises_held_out_accuracy_after_sft(rl_env, sft_state, tmp_path):

@@ -190,3 +190,22 @@ def test_an_op_queued_behind_a_pass_runs_in_the_same_tick_and_result_datagrams_c
     _drain(engine)
     assert engine.store.get_future(fb2, "o").state == "failed"
     listener.close()
+
+
+def test_stability_records_are_dropped_when_their_session_ends(engine):
+    """Ending a session queues an unload of each of its samplers; the engine then forgets the
+    samplers' stability records, and a datum naming one gets an error that says so."""
+    from ember.engine.stability import RecordMissing
+    from tests.unit.test_stability_store import record
+
+    session = engine.store.create_session("o", None, [], {}, None)
+    sampler = engine.store.create_sampling_session(owner="o", session_id=session, seq=0, base_model="tiny",
+                                                   model_path=None, weights_uri=None)
+    other = engine.store.create_session("o", None, [], {}, None)
+    engine.stability.put("r1:0", record(session=session, sampler=sampler))
+    engine.stability.put("r2:0", record(session=other, sampler=f"{other}:sample:0"))
+    engine.store.end_session(session, "client_finished", "success")
+    _drain(engine)
+    with pytest.raises(RecordMissing, match="its session ended"):
+        engine.stability.get("r1:0", session)
+    assert engine.stability.get("r2:0", other) is not None

@@ -114,3 +114,30 @@ def test_outputs_decode_with_the_sdk_including_mixed_shapes():
     for got, want in zip(out.loss_fn_outputs, lps):
         np.testing.assert_array_equal(got["logprobs"].to_numpy().reshape(want.shape), want)
         assert got["logprobs"].shape == list(want.shape)
+
+
+def _sr_datum(input_spans, target_spans, tokens=(1, 2, 3, 4), targets=(0, 0, 5, 6)):
+    d = _datum(list(tokens), target_tokens=list(targets), advantages=[0.0, 0.0, 1.0, 1.0])
+    return types.Datum(model_input=d.model_input, loss_fn_inputs=d.loss_fn_inputs, model_input_spans=input_spans,
+                       loss_fn_input_spans=target_spans)
+
+
+P, S = types.PromptProvenanceSpan, types.SampledProvenanceSpan
+
+
+def test_stable_reinforce_spans_decode_and_must_tile():
+    good = _sr_datum([P(sequence_id="r:0", length=3), S(sequence_id="r:0", length=1)],
+                     [P(sequence_id="r:0", offset=1, length=2), S(sequence_id="r:0", length=2)])
+    (d,) = _decode(_sdk_bytes([good], "stable_reinforce")).payload["datums"]
+    assert d["input_spans"] == [["prompt", "r:0", 0, 3], ["sampled", "r:0", 0, 1]]
+    assert d["target_spans"] == [["prompt", "r:0", 1, 2], ["sampled", "r:0", 0, 2]]
+    # the SDK checks tiling in with_provenance; a raw client may not: the server does too
+    short = _sr_datum([P(sequence_id="r:0", length=3)], [S(sequence_id="r:0", length=4)])
+    with pytest.raises(WireError, match=r"model_input_spans: spans cover 3 positions but the field has 4"):
+        _decode(_sdk_bytes([short], "stable_reinforce"))
+    with pytest.raises(WireError, match="needs provenance on every datum"):
+        _decode(_sdk_bytes([_datum([1, 2], target_tokens=[2, 3], advantages=[1.0, 1.0])], "stable_reinforce"))
+    with pytest.raises(WireError, match="tis_cap"):
+        _decode(_sdk_bytes([good], "stable_reinforce", {"tis_cap": -1.0}))
+    # other losses ignore provenance
+    assert "input_spans" not in _decode(_sdk_bytes([good], "cross_entropy")).payload["datums"][0]

@@ -184,3 +184,42 @@ def test_bad_provenance_is_refused_with_the_span_named(hf_models):
         resolve_datum(store, SESSION, d, ins[:1], outs, "data[0]")
     (res,) = worker.forward_backward([ForwardBackwardInput(slot, [d], "stable_reinforce", {})])
     assert "provenance" in res.message
+
+
+def _family_model(family: str, tmp_path):
+    from tests.parity import test_deepseek_v3, test_inkling2, test_qwen3_next, test_qwen4_exp
+    from tests.tiny_models import build_hf_model
+
+    ds = test_deepseek_v3.CASES
+    build = {"qwen3_moe": lambda: build_hf_model("qwen3_moe"),
+             "deepseek_v3": lambda: test_deepseek_v3.build_hf("deepseek_v3", **ds["deepseek_yarn"][1]),
+             "glm4_moe_lite": lambda: test_deepseek_v3.build_hf("glm4_moe_lite", **ds["glm4_moe_lite"][1]),
+             "qwen3_next": test_qwen3_next.build_hf, "qwen4_exp": test_qwen4_exp.build_hf,
+             "inkling2": test_inkling2.build_hf_inkling2}[family]
+    path = tmp_path / family
+    build().save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen4_exp", "inkling2"])
+def test_every_moe_family_records_routes_and_replays_them(family, tmp_path):
+    """The record holds each MoE layer's experts for every prompt and generated token, and the
+    trainer, replaying them over the recorded support, reproduces the sampler's logprobs."""
+    worker = Worker.from_pretrained(_family_model(family, tmp_path), "cpu", torch.float32)
+    slot = worker.create_adapter(LoraConfig(rank=4, seed=2))
+    randomise(worker.adapter(slot), seed=5, scale=0.05)
+    store = StabilityStore()
+    layers = sorted(worker.model.moe_routers())
+    assert layers
+    samples = sample_and_record(worker, slot, SamplingParams(max_tokens=8, temperature=0.9, top_k=24, seed=6), store,
+                                num_samples=2, prompts=[[5, 17, 3, 99, 41, 7, 8, 200, 13, 14, 15, 16]])
+    for prompt, seq, sid in samples:
+        rec = store.get(sid, SESSION)
+        top_k = next(iter(worker.model.moe_routers().values())).top_k
+        assert rec.route_layers == tuple(layers)
+        assert rec.routes.shape == (len(prompt) + len(seq.tokens) - 1, len(layers), top_k)
+    datums = [resolve_datum(store, SESSION, *cookbook_datum(p, s, sid, 1.0), "data") for p, s, sid in samples]
+    (out,) = worker.forward_backward([ForwardBackwardInput(slot, datums, "stable_reinforce", {})])
+    assert out.metrics["stability/gap:mean"] < 1e-4, out.metrics
+    assert out.metrics["stability/route_flips:mean"] < 0.05, out.metrics  # same weights: ~no flips
+    assert worker.adapter(slot).flat.grad.norm() > 0

@@ -175,28 +175,31 @@ class RowSupport:
 
 def _kept_sets(probs, order, top_k_mass, pick, rows, filtered) -> dict[int, RowSupport]:
     """Kept sets of the truncated rows ``rows`` (indices into ``filtered``). Top-k and top-p keep
-    a prefix of the sorted order, so a row's set is its first ``count`` sorted entries."""
+    a prefix of the sorted order, so a row's set is its first ``count`` sorted entries. One
+    device-to-host copy."""
     idx = torch.tensor(rows, device=probs.device)
     p = probs.index_select(0, idx)
     counts = (p > 0).sum(dim=-1)
     width = int(counts.max())
-    mass = p.sum(dim=-1)
-    q = (p[:, :width] / mass[:, None]).cpu().numpy()
-    ids = order.index_select(0, idx)[:, :width].to(torch.int32).cpu().numpy()
-    kept = (mass * top_k_mass.index_select(0, idx)).cpu().numpy()
-    picks, counts = pick.index_select(0, idx).cpu().numpy(), counts.cpu().numpy()
+    mass = p.sum(dim=-1, keepdim=True)
+    q = p[:, :width] / mass
+    ids = order.index_select(0, idx)[:, :width].double()
+    picked = pick.index_select(0, idx)[:, None]
+    lq = torch.log(q.gather(1, picked.clamp_max(width - 1)))
+    kept = mass * top_k_mass.index_select(0, idx)[:, None]
+    host = torch.cat([ids, q, kept, lq, counts[:, None].double()], 1).cpu().numpy()
     out = {}
     for j, r in enumerate(rows):
-        n = int(counts[j])
-        out[filtered[r]] = RowSupport(ids[j, :n].copy(), q[j, :n].astype(np.float32), float(kept[j]),
-                                      float(np.log(q[j, int(picks[j])])))
+        row, n = host[j], int(host[j, -1])
+        out[filtered[r]] = RowSupport(row[:n].astype(np.int32), row[width : width + n].astype(np.float32),
+                                      float(row[2 * width]), float(row[2 * width + 1]))
     return out
 
 
 def head_support(z: torch.Tensor, temperature: Sequence[float], tokens: Sequence[int], k: int) -> list[RowSupport]:
     """Untruncated rows (``z`` ``[B, V]`` capped logits): the ``k`` most likely tokens of
     ``softmax(z / τ)`` with their probabilities, and the sampled token's logprob at ``τ``. A greedy
-    row (``τ = 0``) was drawn from the single token it chose."""
+    row (``τ = 0``) was drawn from the single token it chose. One device-to-host copy."""
     out: list[RowSupport | None] = [None] * len(tokens)
     hot = [i for i, t in enumerate(temperature) if t > 0]
     for i, t in enumerate(temperature):
@@ -204,16 +207,19 @@ def head_support(z: torch.Tensor, temperature: Sequence[float], tokens: Sequence
             out[i] = RowSupport(np.array([tokens[i]], np.int32), np.ones(1, np.float32), 1.0, 0.0)
     if hot:
         idx = torch.tensor(hot, device=z.device)
-        zs = z.index_select(0, idx).double() / _col([temperature[i] for i in hot], z.device)
+        inv_t = torch.tensor([1.0 / temperature[i] for i in hot], dtype=torch.float32, device=z.device)
+        zs = z.index_select(0, idx).float() * inv_t[:, None]
         lse = torch.logsumexp(zs, dim=-1, keepdim=True)
         top, ids = torch.topk(zs, min(k, z.shape[-1]), dim=-1)
         q = torch.exp(top - lse)
         tok = torch.tensor([tokens[i] for i in hot], device=z.device)[:, None]
-        lp = (zs.gather(1, tok) - lse)[:, 0]
-        q_np, ids_np = q.float().cpu().numpy(), ids.to(torch.int32).cpu().numpy()
-        mass, lp = q.sum(dim=-1).cpu().numpy(), lp.cpu().numpy()
+        lp = zs.gather(1, tok) - lse
+        host = torch.cat([ids.double(), q.double(), q.sum(dim=-1, keepdim=True).double(), lp.double()], 1).cpu().numpy()
+        n = ids.shape[1]
         for j, i in enumerate(hot):
-            out[i] = RowSupport(ids_np[j], q_np[j], float(mass[j]), float(lp[j]))
+            row = host[j]
+            out[i] = RowSupport(row[:n].astype(np.int32), row[n : 2 * n].astype(np.float32), float(row[2 * n]),
+                                float(row[2 * n + 1]))
     return out  # type: ignore[return-value]
 
 

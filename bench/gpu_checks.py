@@ -221,6 +221,32 @@ def check_fused_kernels() -> None:
     report("triton silu_mul grads", rel(got, gu.grad), 1e-2)
 
 
+def check_tempered_logprobs() -> None:
+    """The chunked LM-head logprobs at per-row inverse temperatures (stable_reinforce's support
+    replay), on the compiled Triton row kernels, with and without a softcap, against fp64."""
+    from ember.core.logprobs import token_logprobs
+
+    torch.manual_seed(0)
+    T, H, V, K = 512, 1024, 32768, 17
+    for cap in (None, 30.0):
+        h = (torch.randn(T, H, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+        w = (torch.randn(V, H, device="cuda") * 0.05).to(torch.bfloat16)
+        t = torch.randint(0, V, (T, K), device="cuda")
+        inv_t = torch.rand(T, device="cuda") + 0.6
+        g = torch.randn(T, K, device="cuda")
+        lp = token_logprobs(h, w, t, softcap=cap, chunk=128, inv_temperature=inv_t)
+        (lp * g).sum().backward()
+        gh = h.grad.clone()
+        h64 = h.detach().double().requires_grad_(True)
+        z = h64 @ w.double().T
+        if cap is not None:
+            z = cap * torch.tanh(z / cap)
+        ref = torch.log_softmax(z * inv_t.double()[:, None], -1).gather(1, t)
+        (ref * g.double()).sum().backward()
+        report(f"tempered logprobs cap={cap}", rel(lp, ref), 1e-5)
+        report(f"tempered logprobs grad cap={cap}", rel(gh, h64.grad), 1e-2)
+
+
 def check_paged_decode() -> None:
     """The paged decode attention kernel (flash-decoding, bf16): time per call inside a CUDA graph
     (as a decode step runs it) and the K+V bandwidth it reaches, vs the reference for correctness.
@@ -413,6 +439,7 @@ CHECKS = {
     "attention": lambda: check_attention(),
     "grouped": lambda: check_grouped(),
     "fused": lambda: check_fused_kernels(),
+    "tempered": lambda: check_tempered_logprobs(),
     "paged_decode": lambda: check_paged_decode(),
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),

@@ -25,6 +25,8 @@ from ember.core.layers.lora import LoraRoute
 
 # fp32 logits of one chunk are chunk * V * 4 bytes; 2^28 elements = 1 GiB.
 CHUNK_ELEMENTS = 1 << 28
+# LM-head rows gathered at once for the targets' gradient (fp32: 256 MiB)
+GATHER_ELEMENTS = 1 << 26
 
 
 def default_chunk(vocab: int) -> int:
@@ -155,8 +157,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if ctx.precompute:
             weight, targets, pw, f_t = ctx.saved_tensors
             g = grad_out.to(pw.dtype)
-            rows = weight.index_select(0, targets.reshape(-1)).view(*targets.shape, -1).to(pw.dtype)
-            grad_h = (rows * (g * f_t)[..., None]).sum(1) - g.sum(1, keepdim=True) * pw
+            coef = g * f_t
+            grad_h = -g.sum(1, keepdim=True) * pw
+            # Σ_k coef[t, k] · W[targets[t, k]], a bounded number of gathered rows at a time
+            K, H = targets.shape[1], weight.shape[1]
+            step = max(1, GATHER_ELEMENTS // (K * H))
+            for c0 in range(0, targets.shape[0], step):
+                rows = weight.index_select(0, targets[c0 : c0 + step].reshape(-1)).view(-1, K, H).to(pw.dtype)
+                grad_h[c0 : c0 + step] += torch.bmm(coef[c0 : c0 + step, None, :], rows)[:, 0]
             return (grad_h.to(ctx.hidden_dtype), None, None, None, None, None, None)
         hidden, weight, targets, lse, *lora_tensors = ctx.saved_tensors
         chunk, softcap, bounds = ctx.chunk, ctx.softcap, ctx.bounds

@@ -454,23 +454,27 @@ def _request_loss(
 
 
 def _stable_reinforce_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.device):
-    """``stable_reinforce`` over the request's datums (:mod:`ember.core.stable_reinforce`), with
-    the stability metrics averaged over the positions that have a record."""
-    losses, out, sums = [], [], {}
-    for lp, inp in zip(lps, p.inputs):
-        x = {k: v.to(device) for k, v in inp.items()}
-        loss, logprobs, metrics = stable_reinforce(
-            lp, x["kind"], x["valid"], x["q"], x["advantages"], x["sampler_logprob"], x["sampler_mass"],
-            tis_cap=p.config["tis_cap"], kl_coeff=p.config["kl_coeff"],
-        )
-        losses.append(loss)
-        out.append(logprobs)
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
+    """``stable_reinforce`` over the request's datums at once (:mod:`ember.core.stable_reinforce`;
+    supports padded to the widest), with the stability metrics averaged over the positions that
+    have a record."""
+    width = max(lp.shape[1] for lp in lps)
+
+    def cat(key: str, fill=0) -> torch.Tensor:
+        parts = [inp[key] for inp in p.inputs]
+        if parts[0].dim() == 2:
+            parts = [torch.nn.functional.pad(x, (0, width - 1 - x.shape[1]), value=fill) for x in parts]
+        return torch.cat(parts).to(device)
+
+    lp = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in lps])
+    loss, logprobs, sums = stable_reinforce(
+        lp, cat("kind"), cat("valid", False), cat("q"), cat("advantages"), cat("sampler_logprob"),
+        cat("sampler_mass"), tis_cap=p.config["tis_cap"], kl_coeff=p.config["kl_coeff"],
+    )
+    sums = {k: float(v) for k, v in sums.items()}
     n = max(sums["tokens"], 1.0)
     metrics = {f"stability/{key}:mean": sums[key] / n for key in ("gap", "sampler_mass", "trainer_mass")}
     metrics["stability/tokens:sum"] = sums["tokens"]
-    return torch.stack(losses).sum(), metrics, out
+    return loss, metrics, list(logprobs.split([x.shape[0] for x in lps]))
 
 
 def _flip_counts(batch: PackedBatch, routing: RoutingRecord | None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

@@ -223,3 +223,34 @@ def test_every_moe_family_records_routes_and_replays_them(family, tmp_path):
     assert out.metrics["stability/gap:mean"] < 1e-4, out.metrics
     assert out.metrics["stability/route_flips:mean"] < 0.05, out.metrics  # same weights: ~no flips
     assert worker.adapter(slot).flat.grad.norm() > 0
+
+
+def test_static_decoder_records_the_same_support_as_the_eager_one(hf_models):
+    """The static (CUDA-graph) decoder computes the head of untruncated rows inside its step
+    (``head_record``); it must record what the eager path records, for plain, tempered, greedy and
+    truncated rows sampled together."""
+    from ember.core.sampling import SamplerConfig
+
+    _, path = hf_models["qwen3"]
+    out = []
+    for static in (False, True):
+        cfg = SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=static)
+        worker = Worker.from_pretrained(path, "cpu", torch.float32, sampler_config=cfg)
+        slot = worker.create_adapter(LoraConfig(rank=4, seed=1))
+        randomise(worker.adapter(slot), seed=2, scale=0.1)
+        params = [SamplingParams(max_tokens=6, temperature=1.0, seed=1, stop=[]),
+                  SamplingParams(max_tokens=6, temperature=0.6, seed=2, stop=[]),
+                  SamplingParams(max_tokens=6, temperature=0.0, seed=3, stop=[]),
+                  SamplingParams(max_tokens=6, temperature=0.9, top_k=10, seed=4, stop=[])]
+        inputs = [SampleInput(slot=slot, prompt=np.array(p), params=sp, num_samples=2, record_stability=True)
+                  for p, sp in zip([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], params)]
+        out.append(worker.sample(inputs))
+        assert (worker.sampler.static is not None) == static
+    for a, b in zip(*out):
+        for x, y in zip(a.sequences, b.sequences):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            assert x.support.truncated == y.support.truncated
+            np.testing.assert_array_equal(x.support.ids, y.support.ids)
+            np.testing.assert_allclose(x.support.q, y.support.q, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(x.support.logprob, y.support.logprob, atol=1e-5)
+            np.testing.assert_allclose(x.support.mass, y.support.mass, atol=1e-5)

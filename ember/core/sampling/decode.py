@@ -41,6 +41,9 @@ class DecodeBatch:
     # temperature (0: greedy) and uniform number; None: the decoder only returns logits
     inv_temperature: list[float] | None = None
     uniforms: list[float] | None = None
+    # > 0: that decoder also returns the head of each row's distribution (``head_record``), for
+    # the stability record of untruncated sampling
+    record_head: int = 0
 
     def __len__(self) -> int:
         return len(self.seq_ids)

@@ -39,12 +39,12 @@ from ember.core.sampling.decode import DecodeBatch, EagerDecoder
 from ember.core.sampling.graphs import StaticDecoder, default_buckets, graphs_failed
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import (
-    RowSupport,
     capped,
     chunked_rows,
     derive_seed,
     draw_tokens,
     head_logits,
+    head_rows,
     head_support,
     log_softmax,
     plain,
@@ -417,6 +417,8 @@ class SamplingEngine:
             record_routing=any(q.record_routing for q in reqs),
             inv_temperature=[1.0 / q.temperature if q.temperature > 0 else 0.0 for q in reqs],
             uniforms=[seeded_uniform(s.seed, len(s.tokens)) for s in seqs],
+            record_head=max((q.record_support for q in reqs
+                             if q.record_support and plain(q.temperature, q.top_k, q.top_p, self.vocab)), default=0),
         )
         raw, record, chosen = self._run_decoder(batch)
         for s in seqs:
@@ -459,8 +461,9 @@ class SamplingEngine:
         n = len(seqs)
         tokens: list[int] = [0] * n
         token_lp: list[float] = [0.0] * n
-        supports: dict[int, object] = {}  # row -> RowSupport, for requests that record them
+        supports: dict[int, tuple] = {}  # row -> (SupportRows, row), for requests that record them
         todo = list(range(n))
+        picked = None
         if chosen is not None:
             picked = chosen.cpu().numpy()
             todo = []
@@ -487,13 +490,16 @@ class SamplingEngine:
             supports.update({part[j]: sup for j, sup in kept.items()})
         heads = [i for i, q in enumerate(reqs) if q.record_support and i not in supports]
         if heads:  # untruncated rows: the head of the distribution each token was drawn from
-            idx = torch.tensor([rows[i] for i in heads], device=raw.device)
-            rec = head_support(capped(raw.index_select(0, idx), self.softcap), [reqs[i].temperature for i in heads],
-                               [tokens[i] for i in heads], max(reqs[i].record_support for i in heads))
-            for i, sup in zip(heads, rec):
-                k = reqs[i].record_support
-                supports[i] = sup if len(sup.ids) <= k else RowSupport(sup.ids[:k], sup.q[:k], float(sup.q[:k].sum()),
-                                                                       sup.logprob)
+            sel = [rows[i] for i in heads]
+            inv_t = np.array([1.0 / reqs[i].temperature if reqs[i].temperature > 0 else 0.0 for i in heads])
+            drawn = [tokens[i] for i in heads]
+            if picked is not None and picked.shape[0] > 2:  # the decoder's graph computed the heads
+                rec = head_rows(picked[2:, sel].T, self.softcap, inv_t, np.asarray(drawn))
+            else:
+                idx = torch.tensor(sel, device=raw.device)
+                rec = head_support(raw.index_select(0, idx), self.softcap, inv_t,
+                                   torch.tensor(drawn, device=raw.device), max(reqs[i].record_support for i in heads))
+            supports.update({i: (rec, r) for r, i in enumerate(heads)})
         k_max = max(q.topk_sample for q in reqs)
         if k_max:
             top_ids, top_vals = topk_logprobs(log_softmax(raw, self.softcap), k_max)
@@ -533,8 +539,8 @@ class SamplingEngine:
                     topk_ids=np.stack(s.topk_ids).astype(np.int32) if k else None,
                     topk_logprobs=np.stack(s.topk_logprobs).astype(np.float32) if k else None,
                     routing=np.concatenate([r.prompt_routing, *s.routing]) if req.record_routing else None,
-                    support=TokenSupport.stack(not plain(req.temperature, req.top_k, req.top_p, self.vocab), s.support)
-                    if req.record_support else None,
+                    support=TokenSupport.stack(not plain(req.temperature, req.top_k, req.top_p, self.vocab), s.support,
+                                               req.record_support) if req.record_support else None,
                 )
             )
         topk = r.outputs.get("topk_prompt")

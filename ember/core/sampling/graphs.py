@@ -41,7 +41,7 @@ from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
 from ember.core.sampling.kv_cache import PagedKVCache
-from ember.core.sampling.logits import capped, sample_rows
+from ember.core.sampling.logits import capped, head_record, sample_rows
 
 RANK_MULTIPLE = 16
 
@@ -455,7 +455,7 @@ class StaticDecoder:
             self._staged = torch.cuda.Event()
             self._staged.record()
 
-    def _forward(self, buf: _Buffers, use_lora: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora)
         ctx = DecodeContext(
             positions=buf.positions,
@@ -471,12 +471,17 @@ class StaticDecoder:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
         # every row's plain draw and its logprob, in the graph (one kernel); the engine uses the rows
         # whose parameters are plain (see DecodeBatch.inv_temperature)
-        tokens, token_lp = sample_rows(capped(logits, self.model.final_logit_softcap), buf.floats[0], buf.floats[1])
-        return logits, torch.stack([tokens.to(torch.float64), token_lp.to(torch.float64)])
+        softcap = self.model.final_logit_softcap
+        tokens, token_lp = sample_rows(capped(logits, softcap), buf.floats[0], buf.floats[1])
+        chosen = torch.stack([tokens.to(torch.float64), token_lp.to(torch.float64)])
+        if head:  # the stability record's head of every row, in the same graph and the same copy
+            chosen = torch.cat([chosen, head_record(logits, softcap, buf.floats[0], tokens, head).T])
+        return logits, chosen
 
     def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, None, torch.Tensor]:
         """Raw fp32 logits ``[B, V]`` of the step, no routing record (this path has none), and the
-        plain draw of every row: fp64 ``[2, B]`` (token ids, their logprobs)."""
+        plain draw of every row: fp64 ``[2, B]`` (token ids, their logprobs), followed, with
+        ``batch.record_head``, by the rows' :func:`head_record` (``[2 + 2k + 2, B]``)."""
         if batch.record_routing:
             raise ValueError("the static decoder records no MoE routing")
         bucket = self.bucket(len(batch))
@@ -484,20 +489,22 @@ class StaticDecoder:
         self._fill(buf, batch, bucket)
         use_lora = any(batch.slots)
         n = len(batch)
+        head = batch.record_head
         if not self.use_graphs:
-            logits, chosen = self._forward(buf, use_lora)
+            logits, chosen = self._forward(buf, use_lora, head)
             return logits[:n], None, chosen[:, :n]
         if self.stacks.version != self._graph_version:
             self._graphs.clear()
             self._graph_version = self.stacks.version
-        key = (bucket, use_lora)
+        key = (bucket, use_lora, head)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(buf, use_lora)
+            self._graphs[key] = self._capture(buf, use_lora, head)
         graph, (logits, chosen) = self._graphs[key]
         graph.replay()
         return logits[:n], None, chosen[:, :n]
 
-    def _capture(self, buf: _Buffers, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+    def _capture(self, buf: _Buffers, use_lora: bool, head: int = 0
+                 ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # warm up on a side stream (Triton compilation, cuBLAS handles, rotary tables), then capture;
         # the warm-up writes the same keys and values the replay will write
         if self._pool is None:
@@ -506,11 +513,11 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(buf, use_lora)
+                self._forward(buf, use_lora, head)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(buf, use_lora)
+            out = self._forward(buf, use_lora, head)
         return graph, out
 
     def capture_all(self, use_lora: bool = True) -> None:
@@ -522,8 +529,8 @@ class StaticDecoder:
             buf.offsets.zero_()
             buf.offsets[-1] = b
             buf.n_rows.fill_(b)
-            if (b, use_lora) not in self._graphs:
-                self._graphs[(b, use_lora)] = self._capture(buf, use_lora)
+            if (b, use_lora, 0) not in self._graphs:
+                self._graphs[(b, use_lora, 0)] = self._capture(buf, use_lora)
 
 
 def graphs_failed(err: Exception) -> None:

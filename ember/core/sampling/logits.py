@@ -119,14 +119,14 @@ def draw_tokens(
     top_p: Sequence[float],
     uniforms: Sequence[float],
     keep_support: Sequence[bool] | None = None,
-) -> tuple[torch.Tensor, dict[int, RowSupport]]:
+) -> tuple[torch.Tensor, dict[int, tuple[SupportRows, int]]]:
     """:func:`sample_tokens`, and for each truncated (top-k/top-p) row ``i`` with
-    ``keep_support[i]`` the kept set the token was drawn from (:class:`RowSupport`, computed from
-    the very probabilities of the draw)."""
+    ``keep_support[i]`` the kept set the token was drawn from, computed from the very
+    probabilities of the draw: ``{i: (rows, r)}``, row ``r`` of a :class:`SupportRows`."""
     B, V = logits.shape
     device = logits.device
     out = torch.empty(B, dtype=torch.long, device=device)
-    supports: dict[int, RowSupport] = {}
+    supports: dict[int, tuple[SupportRows, int]] = {}
     simple = [i for i in range(B) if plain(temperature[i], top_k[i], top_p[i], V)]
     filtered = [i for i in range(B) if not plain(temperature[i], top_k[i], top_p[i], V)]
     if simple:
@@ -153,74 +153,96 @@ def draw_tokens(
         out[idx] = order.gather(1, pick[:, None])[:, 0]
         rows = [j for j, i in enumerate(filtered) if keep_support is not None and keep_support[i]]
         if rows:
-            supports.update(_kept_sets(probs, order, top_k_mass[:, 0], pick, rows, filtered))
+            kept = _kept_sets(probs, order, top_k_mass[:, 0], pick, rows)
+            supports.update({filtered[j]: (kept, r) for r, j in enumerate(rows)})
     return out, supports
 
 
 @dataclass
-class RowSupport:
-    """What one token was drawn from (the stability record, ``shared/spec/stability.md``).
+class SupportRows:
+    """What the tokens of one sampling step were drawn from, one row per token (the stability
+    record, ``shared/spec/stability.md``).
 
-    ``ids`` (int32, most likely first) with probabilities ``q`` (float32): the kept set after
-    temperature, top-k and top-p with ``q`` renormalised over it, or, for untruncated sampling,
-    the most likely tokens of the full distribution with their probabilities in it. ``mass``: the
-    probability of ``ids`` under ``softmax(z / τ)``; ``logprob``: log q of the sampled token (the
-    sampler's processed logprob)."""
+    ``ids`` int32 ``[R, K]`` (most likely first, ``-1`` padded) with probabilities ``q`` float32
+    ``[R, K]`` (0 padded): the kept set after temperature, top-k and top-p with ``q`` renormalised
+    over it, or, for untruncated sampling, the most likely tokens of the full distribution with
+    their probabilities in it. ``mass`` float32 ``[R]``: the probability of ``ids`` under
+    ``softmax(z / τ)``; ``logprob`` float32 ``[R]``: log q of the sampled token (the sampler's
+    processed logprob)."""
 
     ids: np.ndarray
     q: np.ndarray
-    mass: float
-    logprob: float
+    mass: np.ndarray
+    logprob: np.ndarray
 
 
-def _kept_sets(probs, order, top_k_mass, pick, rows, filtered) -> dict[int, RowSupport]:
-    """Kept sets of the truncated rows ``rows`` (indices into ``filtered``). Top-k and top-p keep
-    a prefix of the sorted order, so a row's set is its first ``count`` sorted entries. One
+def _kept_sets(probs, order, top_k_mass, pick, rows) -> SupportRows:
+    """Kept sets of the truncated rows ``rows`` (of the sorted ``probs``). Top-k and top-p keep a
+    prefix of the sorted order, so a row's set is its first ``count`` sorted entries. One
     device-to-host copy."""
     idx = torch.tensor(rows, device=probs.device)
     p = probs.index_select(0, idx)
-    counts = (p > 0).sum(dim=-1)
+    counts = (p > 0).sum(dim=-1, keepdim=True)
     width = int(counts.max())
     mass = p.sum(dim=-1, keepdim=True)
     q = p[:, :width] / mass
-    ids = order.index_select(0, idx)[:, :width].double()
-    picked = pick.index_select(0, idx)[:, None]
-    lq = torch.log(q.gather(1, picked.clamp_max(width - 1)))
+    inside = torch.arange(width, device=p.device)[None, :] < counts
+    ids = torch.where(inside, order.index_select(0, idx)[:, :width], -1)
+    lq = torch.log(q.gather(1, pick.index_select(0, idx)[:, None]))
     kept = mass * top_k_mass.index_select(0, idx)[:, None]
-    host = torch.cat([ids, q, kept, lq, counts[:, None].double()], 1).cpu().numpy()
-    out = {}
-    for j, r in enumerate(rows):
-        row, n = host[j], int(host[j, -1])
-        out[filtered[r]] = RowSupport(row[:n].astype(np.int32), row[width : width + n].astype(np.float32),
-                                      float(row[2 * width]), float(row[2 * width + 1]))
-    return out
+    host = torch.cat([ids.double(), q, kept, lq], 1).cpu().numpy()
+    return SupportRows(host[:, :width].astype(np.int32), host[:, width : 2 * width].astype(np.float32),
+                       host[:, 2 * width].astype(np.float32), host[:, 2 * width + 1].astype(np.float32))
 
 
-def head_support(z: torch.Tensor, temperature: Sequence[float], tokens: Sequence[int], k: int) -> list[RowSupport]:
-    """Untruncated rows (``z`` ``[B, V]`` capped logits): the ``k`` most likely tokens of
-    ``softmax(z / τ)`` with their probabilities, and the sampled token's logprob at ``τ``. A greedy
-    row (``τ = 0``) was drawn from the single token it chose. One device-to-host copy."""
-    out: list[RowSupport | None] = [None] * len(tokens)
-    hot = [i for i, t in enumerate(temperature) if t > 0]
-    for i, t in enumerate(temperature):
-        if t <= 0:
-            out[i] = RowSupport(np.array([tokens[i]], np.int32), np.ones(1, np.float32), 1.0, 0.0)
-    if hot:
-        idx = torch.tensor(hot, device=z.device)
-        inv_t = torch.tensor([1.0 / temperature[i] for i in hot], dtype=torch.float32, device=z.device)
-        zs = z.index_select(0, idx).float() * inv_t[:, None]
-        lse = torch.logsumexp(zs, dim=-1, keepdim=True)
-        top, ids = torch.topk(zs, min(k, z.shape[-1]), dim=-1)
-        q = torch.exp(top - lse)
-        tok = torch.tensor([tokens[i] for i in hot], device=z.device)[:, None]
-        lp = zs.gather(1, tok) - lse
-        host = torch.cat([ids.double(), q.double(), q.sum(dim=-1, keepdim=True).double(), lp.double()], 1).cpu().numpy()
-        n = ids.shape[1]
-        for j, i in enumerate(hot):
-            row = host[j]
-            out[i] = RowSupport(row[:n].astype(np.int32), row[n : 2 * n].astype(np.float32), float(row[2 * n]),
-                                float(row[2 * n + 1]))
-    return out  # type: ignore[return-value]
+def head_support(
+    raw: torch.Tensor, softcap: float | None, inv_temperature: np.ndarray, tokens: torch.Tensor, k: int
+) -> SupportRows:
+    """Untruncated rows of raw logits ``raw`` ``[B, V]`` (fp32): the ``k`` most likely tokens of
+    ``softmax(z / τ)`` (``z`` the capped logits) with their probabilities, and the sampled
+    ``tokens``' logprob at ``τ``; a greedy row (``inv_temperature`` 0) was drawn from the single
+    token it chose. The device part is :func:`head_record` (the static decoder runs it inside its
+    CUDA graph); the rest is ``[B, k]`` arithmetic on the host (:func:`head_rows`)."""
+    inv_t = torch.from_numpy(np.asarray(inv_temperature, np.float64)).to(raw.device, non_blocking=True)
+    rec = head_record(raw, softcap, inv_t, tokens, k).cpu().numpy()
+    return head_rows(rec, softcap, inv_temperature, tokens.cpu().numpy())
+
+
+def head_record(
+    raw: torch.Tensor, softcap: float | None, inv_temperature: torch.Tensor, tokens: torch.Tensor, k: int
+) -> torch.Tensor:
+    """What needs the whole row, as fp64 ``[B, 2k + 2]``: the ids and raw logits of the row's top
+    ``k`` (the cap and ``1/τ`` are monotone, so they are the distribution's top ``k``), the
+    log-sum-exp of the capped, tempered logits (``inv_temperature`` 0 counts as 1) and the sampled
+    token's raw logit. No host synchronisation: it can run inside a CUDA graph."""
+    t = torch.where(inv_temperature > 0, inv_temperature, 1.0).to(torch.float32)
+    lse = row_logsumexp(raw, softcap, t)
+    top, ids = torch.topk(raw, min(k, raw.shape[-1]), dim=-1)
+    picked = raw.gather(1, tokens.to(torch.long)[:, None])
+    return torch.cat([ids.to(torch.float64), top.to(torch.float64), lse[:, None].to(torch.float64),
+                      picked.to(torch.float64)], 1)
+
+
+def head_rows(rec: np.ndarray, softcap: float | None, inv_temperature: np.ndarray, tokens: np.ndarray) -> SupportRows:
+    """:class:`SupportRows` of untruncated rows from their :func:`head_record` (host arrays)."""
+    n = (rec.shape[1] - 2) // 2
+    inv_t = np.asarray(inv_temperature, np.float64)
+    greedy = inv_t <= 0
+    t = np.where(greedy, 1.0, inv_t)
+    ids = rec[:, :n].astype(np.int32)
+    z = rec[:, n : 2 * n]
+    picked = rec[:, 2 * n + 1]
+    if softcap is not None:
+        z, picked = softcap * np.tanh(z / softcap), softcap * np.tanh(picked / softcap)
+    lse = rec[:, 2 * n]
+    q = np.exp(z * t[:, None] - lse[:, None])
+    lp = picked * t - lse
+    if greedy.any():
+        ids[greedy] = -1
+        ids[greedy, 0] = np.asarray(tokens)[greedy]
+        q[greedy], lp[greedy] = 0.0, 0.0
+        q[greedy, 0] = 1.0
+    return SupportRows(ids, q.astype(np.float32), q.sum(axis=1).astype(np.float32), lp.astype(np.float32))
 
 
 def _k(top_k: int, vocab: int) -> int:

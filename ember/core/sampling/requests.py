@@ -131,15 +131,27 @@ class TokenSupport:
     logprob: np.ndarray
 
     @classmethod
-    def stack(cls, truncated: bool, rows: list) -> TokenSupport:
-        """From per-token :class:`~ember.core.sampling.logits.RowSupport` rows."""
-        width = max(len(r.ids) for r in rows)
-        ids = np.full((len(rows), width), -1, np.int32)
-        q = np.zeros((len(rows), width), np.float32)
-        for i, r in enumerate(rows):
-            ids[i, : len(r.ids)], q[i, : len(r.q)] = r.ids, r.q
-        mass = np.array([r.mass for r in rows], np.float32)
-        return cls(truncated, ids, q, mass, np.array([r.logprob for r in rows], np.float32))
+    def stack(cls, truncated: bool, rows: list, head: int | None = None) -> TokenSupport:
+        """From one ``(SupportRows, row)`` pair per generated token
+        (:class:`~ember.core.sampling.logits.SupportRows`: a sampling step's records); ``head``:
+        keep that many most likely tokens of untruncated rows (a step records as many as the
+        largest request in it asked for)."""
+        id_rows = [batch.ids[r] for batch, r in rows]
+        q_rows = [batch.q[r] for batch, r in rows]
+        mass = np.array([batch.mass[r] for batch, r in rows], np.float32)
+        logprob = np.array([batch.logprob[r] for batch, r in rows], np.float32)
+        width = max(len(x) for x in id_rows)
+        if all(len(x) == width for x in id_rows):
+            ids, q = np.stack(id_rows), np.stack(q_rows)
+        else:  # kept sets of different sizes: pad
+            ids = np.full((len(rows), width), -1, np.int32)
+            q = np.zeros((len(rows), width), np.float32)
+            for i, (a, b) in enumerate(zip(id_rows, q_rows)):
+                ids[i, : len(a)], q[i, : len(b)] = a, b
+        if not truncated and head is not None and head < width:
+            ids, q = ids[:, :head].copy(), q[:, :head].copy()
+            mass = q.sum(axis=1, dtype=np.float32)
+        return cls(truncated, ids, q, mass, logprob)
 
 
 @dataclass

@@ -51,7 +51,7 @@ class SequenceState:
     topk_ids: list[np.ndarray] = field(default_factory=list)
     topk_logprobs: list[np.ndarray] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
-    support: list = field(default_factory=list)  # RowSupport per token, with record_support
+    support: list = field(default_factory=list)  # (SupportRows, row) per token, with record_support
     stop_reason: str | None = None
 
     @property

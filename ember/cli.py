@@ -75,6 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
         database_url=database_url, storage=storage, device=args.device, dtype=args.dtype,
         max_adapters=args.max_adapters, max_rank=args.max_rank, token_budget=args.token_budget,
         gap_timeout_s=args.gap_timeout, log_level=args.log_level, cpu_threads=args.cpu_threads,
+        stability_memory_mb=args.stability_memory_mb, stability_disk_mb=args.stability_disk_mb,
+        stability_ttl_s=args.stability_ttl,
     )
     run(config, args.host, args.port, engine, args.log_level)
     return 0
@@ -177,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--gap-timeout", type=float, default=300.0,
                        help="seconds a model waits for a missing seq_id before skipping it (default 300)")
     serve.add_argument("--max-body-mb", type=int, default=64, help="largest request body in MiB (default 64)")
+    serve.add_argument("--stability-memory-mb", type=int, default=2048,
+                       help="host memory per engine for stability records (sampling with record_stability_info, "
+                       "for stable_reinforce) before the least recently used spill to local disk (default 2048)")
+    serve.add_argument("--stability-disk-mb", type=int, default=16384,
+                       help="local disk per engine for spilled stability records; past it the least recently used "
+                       "are dropped and a datum naming one fails with that reason (default 16384)")
+    serve.add_argument("--stability-ttl", type=float, default=3600.0,
+                       help="seconds a stability record is kept without use (default 3600); records also go "
+                       "when their session ends")
     serve.add_argument("--public-url", default=None, help="base URL for download links (default: the request's)")
     serve.add_argument("--client-config", default=None, metavar="JSON",
                        help='extra SDK flags for /api/v1/client/config, e.g. \'{"proto_compress_fwdbwd": true}\'')

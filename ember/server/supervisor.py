@@ -33,6 +33,9 @@ class EngineOptions:
     gap_timeout_s: float = 300.0
     log_level: str = "INFO"
     cpu_threads: int | None = None  # torch threads of a CPU engine (None: the engine's default)
+    stability_memory_mb: int = 2048  # stability records (record_stability_info) in host memory ...
+    stability_disk_mb: int = 16384  # ... then spilled to local disk ...
+    stability_ttl_s: float = 3600.0  # ... kept this long without use
 
 
 class EngineSupervisor:
@@ -55,7 +58,8 @@ class EngineSupervisor:
             "--database-url", o.database_url, "--storage", o.storage, "--device", o.device,
             "--max-adapters", str(o.max_adapters), "--max-rank", str(o.max_rank),
             "--token-budget", str(o.token_budget), "--gap-timeout", str(o.gap_timeout_s), "--log-level", o.log_level,
-            "--parent-pid", str(os.getpid()),
+            "--parent-pid", str(os.getpid()), "--stability-memory-mb", str(o.stability_memory_mb),
+            "--stability-disk-mb", str(o.stability_disk_mb), "--stability-ttl", str(o.stability_ttl_s),
         ]
         if o.dtype:
             cmd += ["--dtype", o.dtype]

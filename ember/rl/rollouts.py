@@ -115,7 +115,7 @@ def rollout_groups(
                     raise RuntimeError("the sampler returned no per-token logprobs; RL needs them")
                 t.tokens += tokens
                 t.policy_mask += [1] * len(tokens)
-                _add_spans(t, seq.sequence_id, len(tokens))
+                _add_spans(t, getattr(seq, "sequence_id", None), len(tokens))  # None: a service without it
                 t.sampler_logprobs += [float(x) for x in seq.logprobs]
                 t.turns += 1
                 t.truncated |= seq.stop_reason == "length"

@@ -49,7 +49,7 @@ def test_partial_replay_routes_unrecorded_rows_live_and_reports_flips(hf_models)
     assert (mixed[:12] - base[:12]).abs().max() > 1e-3  # replayed: other experts
     # the second sequence routes live, exactly as without a replay (packed documents do not mix)
     torch.testing.assert_close(mixed[12:], base[12:], atol=1e-5, rtol=0)
-    for layer, f in flips.flips.items():
+    for f in flips.flips.values():
         assert f[:12].all() and not f[12:].any()  # (v + 1) % 8 is never the live choice
 
 
@@ -92,7 +92,7 @@ def test_r3_replays_the_sampler_experts_after_the_router_drifts(tmp_path):
     samples = sample_and_record(worker, slot, SamplingParams(max_tokens=8, temperature=1.0, seed=7), store)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for layer, gate in worker.model.moe_routers().items():
+        for gate in worker.model.moe_routers().values():
             gate.weight += 1e-7 * torch.randn(gate.weight.shape, generator=g)
     datums = [resolve_datum(store, SESSION, *cookbook_datum(p, s, sid, 1.0), "data") for p, s, sid in samples]
 

@@ -72,6 +72,10 @@ LAYOUTS = frozenset({"strided"})
 MEMORY_FORMATS = frozenset({"contiguous_format", "preserve_format"})
 
 
+# argument kinds whose value is a name (checked by shape before it is looked up)
+_TEXT_KINDS = frozenset({"ref", "float", "dtype", "device", "layout", "memory_format"})
+
+
 class ProgramError(ValueError):
     """The upload is not a valid custom loss (the message says what and where)."""
 
@@ -95,6 +99,8 @@ def _check_arg(arg: Any, known: set[str], where: str, depth: int = 0) -> None:
     if not (isinstance(arg, dict) and len(arg) == 1):
         raise ProgramError(f"{where}: cannot read argument {arg!r}")
     ((kind, value),) = arg.items()
+    if kind in _TEXT_KINDS and not isinstance(value, str):
+        raise ProgramError(f"{where}: a {kind!r} argument must be a string, got {type(value).__name__}")
     if kind == "ref":
         if value not in known:
             raise ProgramError(f"{where}: refers to {value!r}, which is not an earlier node")
@@ -192,7 +198,7 @@ def validate_program(name: str, inputs: list[dict], graph: dict) -> dict:
         elif op == "call_function":
             if target not in FUNCTIONS:
                 raise ProgramError(f"{where}: function {target!r} is not allowed in a custom loss")
-            if target == "getattr" and (len(args) != 2 or args[1] not in ATTRIBUTES):
+            if target == "getattr" and (len(args) != 2 or not isinstance(args[1], str) or args[1] not in ATTRIBUTES):
                 raise ProgramError(f"{where}: getattr may read only {sorted(ATTRIBUTES)}")
         elif op == "call_method":
             if target not in METHODS:

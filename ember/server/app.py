@@ -205,8 +205,11 @@ async def _send_json(send, status: int, detail: str) -> None:
 def _validation_detail(errors) -> str:
     parts = []
     for err in errors:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg')}")
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "wire_value":  # its message starts with the field's path below ``loc``
+            parts.append(f"{loc}.{err.get('msg')}" if loc else err.get("msg"))
+        else:
+            parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts)
 
 

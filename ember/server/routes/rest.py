@@ -33,6 +33,7 @@ from ember.storage import sign_token, verify_token
 from ember.store.models import TrainingModel
 from ember.store.repo import Conflict, utcnow
 
+MAX_OFFSET = 2**31 - 1  # listing offsets (a larger one lists nothing and would overflow the store's integers)
 router = APIRouter(prefix="/api/v1")
 
 
@@ -63,7 +64,7 @@ def _owned_run(st, owner: str, run_id: str) -> TrainingModel:
 
 @router.get("/training_runs")
 def list_training_runs(
-    request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0),
+    request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_OFFSET),
     owner: str = Depends(require_owner),
 ) -> dict:
     st = ember(request)
@@ -88,7 +89,7 @@ def list_run_checkpoints(run_id: str, request: Request, owner: str = Depends(req
 
 @router.get("/checkpoints")
 def list_user_checkpoints(
-    request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0),
+    request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_OFFSET),
     owner: str = Depends(require_owner),
 ) -> dict:
     rows, total = ember(request).store.list_checkpoints(owner, limit=limit, offset=offset)
@@ -250,7 +251,7 @@ def weights_info(body: schemas.WeightsInfoRequest, request: Request, owner: str 
 
 @router.get("/sessions")
 def list_sessions(
-    request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0),
+    request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_OFFSET),
     owner: str = Depends(require_owner),
 ) -> dict:
     return {"sessions": [s.id for s in ember(request).store.list_sessions(owner, limit, offset)]}

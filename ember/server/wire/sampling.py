@@ -9,7 +9,7 @@ import numpy as np
 
 from ember.lossdefs import STABILITY_SUPPORT_MAX
 from ember.server.wire import tinker_proto as pb
-from ember.server.wire.schemas import SampleRequest
+from ember.server.wire.schemas import SampleRequest, TensorDataBody
 from ember.server.wire.training import ModelLimits, WireError
 
 MAX_SAMPLES = 128
@@ -40,12 +40,14 @@ def prompt_tokens(chunks: list[dict], limits: ModelLimits) -> np.ndarray:
     return arr
 
 
-def _target_tokens(td: dict, prompt_len: int) -> tuple[np.ndarray, dict]:
+def _target_tokens(td: TensorDataBody, prompt_len: int) -> tuple[np.ndarray, dict]:
     """``target_prompt_logprobs`` (int64 ``[P-1, K]``, dense or CSR with -1 for unlisted cells) and
     the layout to answer in."""
-    shape = td.get("shape")
-    data = np.asarray(td.get("data", []), dtype=np.int64)
-    crow, col = td.get("sparse_crow_indices"), td.get("sparse_col_indices")
+    shape = td.shape
+    if shape is not None and any(n < 0 or n > 1 << 31 for n in shape):
+        raise WireError(f"target_prompt_logprobs: shape {shape} must hold sizes between 0 and 2^31")
+    data = np.asarray(td.data, dtype=np.int64)
+    crow, col = td.sparse_crow_indices, td.sparse_col_indices
     if crow is not None:
         if not shape or len(shape) != 2 or col is None:
             raise WireError("target_prompt_logprobs: sparse CSR needs a 2-D shape and column indices")

@@ -5,13 +5,69 @@ Unknown fields are ignored (clients send ``type`` literals and fields other serv
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+INT64 = (-(2**63), 2**63 - 1)  # what the store's integer columns and numpy's int64 hold
+MAX_DEPTH = 32  # nesting of JSON values (user_metadata, tensors, custom-loss graphs)
+
+
+def check_wire_value(value: Any, where: str, depth: int = 0) -> None:
+    """Refuse, naming ``where``, what no field may carry anywhere in a body: integers outside
+    int64, non-finite numbers, strings that are not UTF-8 text (lone surrogates such as
+    ``"\ud800"``, which JSON can spell but no database or encoder can store), and nesting deeper
+    than ``MAX_DEPTH``. Each request model checks its own fields (and nested values) with it, so
+    nothing out of range reaches a route, the store or numpy, and nothing stored breaks a read."""
+    if depth > MAX_DEPTH:
+        raise _wire_error(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        if not INT64[0] <= value <= INT64[1]:
+            raise _wire_error(f"{where}: {_short(value)} is outside the 64-bit integer range [{INT64[0]}, {INT64[1]}]")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _wire_error(f"{where}: {value} is not a finite number")
+    elif isinstance(value, str):
+        _check_text(value, where)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_wire_value(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(str(key), f"{where} (a key)")
+            check_wire_value(item, f"{where}.{key}", depth + 1)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _wire_error(f"{where}: not valid UTF-8 text (it holds a lone surrogate such as \\ud800)") from None
+
+
+def _short(n: int) -> str:
+    digits = str(abs(n))
+    return str(n) if len(digits) <= 30 else f"{'-' if n < 0 else ''}{digits[:6]}... ({len(digits)} digits)"
+
+
+def _wire_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError("wire_value", "{message}", {"message": message})
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="after")
+    def _wire_values(self):
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if not isinstance(value, BaseModel):  # a nested body checked its own fields
+                check_wire_value(value, name)
+        return self
 
 
 class ClientConfigRequest(_Body):
@@ -169,6 +225,16 @@ class SamplingParamsBody(_Body):
     top_p: float = 1.0
 
 
+class TensorDataBody(_Body):
+    """A ``TensorData`` in JSON (``target_prompt_logprobs``): dense ``data`` of ``shape``, or CSR."""
+
+    data: list[int] = Field(default_factory=list)
+    dtype: str | None = None
+    shape: list[int] | None = Field(default=None, max_length=2)
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 class SampleRequest(_Body):
     num_samples: int = 1
     prompt: ModelInputBody
@@ -181,7 +247,7 @@ class SampleRequest(_Body):
     prompt_logprobs_last_n: int | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
-    target_prompt_logprobs: dict[str, Any] | None = None
+    target_prompt_logprobs: TensorDataBody | None = None
     prompt_alt_tokens_k: int = 0
     record_stability_info: bool = False
 

@@ -114,6 +114,8 @@ def _tensor(t, where: str) -> np.ndarray:
     if dtype is None:
         raise WireError(f"{where}: unsupported dtype enum {t.dtype}; use float32 or int64")
     shape = [int(s) for s in t.shape]
+    if len(shape) > 4 or any(not 0 <= s < 1 << 31 for s in shape):
+        raise WireError(f"{where}: shape {shape} must have at most 4 sizes, each between 0 and 2^31")
     try:
         if t.HasField("sparse_csr"):
             if len(shape) != 2:

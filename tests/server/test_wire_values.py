@@ -42,7 +42,7 @@ def _detail(r) -> str:
 
 @pytest.mark.parametrize("value", HUGE)
 def test_seq_ids_outside_int64_are_a_400_naming_the_field(env, value):
-    client, _, alice, _, session, model, sampler = env
+    client, _, alice, _, _, model, sampler = env
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
     bodies = {
         "/api/v1/save_weights_for_sampler": {"model_id": model, "seq_id": value, "path": "s1"},
@@ -80,7 +80,7 @@ def test_token_ids_counts_and_nested_values_outside_int64(env):
 
 
 def test_lone_surrogates_are_refused_before_the_store(env):
-    client, _, alice, _, session, model, _ = env
+    client, _, alice, _, session, _, _ = env
     assert "model_id" in _detail(post(client, alice, "/api/v1/get_info", {"model_id": "\ud800"}))
     for field in ("sdk_version", "display_name", "project_id"):
         assert field in _detail(post(client, alice, "/api/v1/create_session", {field: "a\ud800b"}))
@@ -191,7 +191,7 @@ def _mutated(body, path, value):
     return body
 
 
-@settings(max_examples=int(os.environ.get("EMBER_FUZZ_EXAMPLES", 400)), deadline=None, derandomize="EMBER_FUZZ_EXAMPLES" not in os.environ,
+@settings(max_examples=int(os.environ.get("EMBER_FUZZ_EXAMPLES", "400")), deadline=None, derandomize="EMBER_FUZZ_EXAMPLES" not in os.environ,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_generated_bodies_never_get_a_5xx(env, data):
@@ -224,7 +224,7 @@ def test_generated_bodies_never_get_a_5xx(env, data):
     assert post(client, bob, "/api/v1/create_session", {"tags": []}).status_code == 200
 
 
-@settings(max_examples=int(os.environ.get("EMBER_FUZZ_EXAMPLES", 200)), deadline=None,
+@settings(max_examples=int(os.environ.get("EMBER_FUZZ_EXAMPLES", "200")), deadline=None,
           derandomize="EMBER_FUZZ_EXAMPLES" not in os.environ, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_corrupted_protobuf_bodies_never_get_a_5xx(env, data):

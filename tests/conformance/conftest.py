@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,16 +22,10 @@ import pytest
 
 from ember.engine.builtin import build_model
 from ember.store import Store
+from tests.live_server import REPO, free_port, serve, stop, wait_ready
 from tests.store.backend import backend, fresh_database
 
-REPO = Path(__file__).resolve().parents[2]
 MODELS = {"tiny-qwen3": ("qwen3", 1), "tiny-qwen3-moe": ("qwen3_moe", 2)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -58,38 +48,6 @@ class Server:
         return env
 
 
-def _serve(args: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "ab") as fh:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", *args], stdout=fh,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
-
-
-def _wait_ready(base_url: str, proc: subprocess.Popen, log: Path, engines: bool, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ember serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/api/v1/healthz", timeout=2) as r:
-                health = json.load(r)
-            if not engines or all(v == "ready" for v in health["engines"].values()):
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"ember serve not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("conformance")
@@ -109,10 +67,10 @@ def server(tmp_path_factory):
         common = ["--database-url", db_url, "--storage", storage, "--max-rank", "16", "--long-poll", "10"]
         for name, path in models.items():
             common += ["--model", f"{name}={path}"]
-        proc = _serve([*common, "--port", str(port), "--max-adapters", "24"], log)
+        proc = serve([*common, "--port", str(port), "--max-adapters", "24"], log)
         extra_procs = []
         try:
-            _wait_ready(base, proc, log, engines=True)
+            wait_ready(base, proc, log, engines=True)
             flags = {"chunk2": {"fwdbwd_max_chunk_len": 2},
                      "serial": {"fwdbwd_max_chunk_len": 2, "parallel_fwdbwd_chunks": False},
                      "zstd": {"fwdbwd_max_chunk_len": 3, "proto_compress_fwdbwd": True},
@@ -122,16 +80,16 @@ def server(tmp_path_factory):
             extra = {}
             for name, cfg in flags.items():
                 p = free_port()
-                extra_procs.append(_serve([*common, "--port", str(p), "--api-only", "--client-config", json.dumps(cfg)],
+                extra_procs.append(serve([*common, "--port", str(p), "--api-only", "--client-config", json.dumps(cfg)],
                                           root / f"api-{name}.log"))
                 extra[name] = f"http://127.0.0.1:{p}"
             for (name, url), p in zip(extra.items(), extra_procs):
-                _wait_ready(url, p, root / f"api-{name}.log", engines=False)
+                wait_ready(url, p, root / f"api-{name}.log", engines=False)
             yield Server(base, db_url, storage, models, {"alice": alice, "bob": bob}, log, proc, extra)
         finally:
             for p in extra_procs:
-                _stop(p)
-            _stop(proc)
+                stop(p)
+            stop(proc)
 
 
 def run_scenario(server: Server, name: str, key: str = "alice", timeout_s: float = 300, **env) -> str:

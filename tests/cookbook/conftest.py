@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ember.engine.builtin import build_model
-from tests.conformance.conftest import _serve, _stop, _wait_ready, free_port
+from tests.live_server import free_port, serve, stop, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,11 +48,11 @@ def cookbook_server(tmp_path_factory):
     model = str(build_model(root / "models" / "tiny-qwen3", "qwen3", seed=1, max_position_embeddings=4096))
     port = free_port()
     log = root / "server.log"
-    proc = _serve(["--database-url", f"sqlite:///{root / 'ember.db'}", "--storage", str(root / "checkpoints"),
+    proc = serve(["--database-url", f"sqlite:///{root / 'ember.db'}", "--storage", str(root / "checkpoints"),
                    "--no-auth", "--model", f"{model}={model}", "--port", str(port), "--max-rank", "32",
                    "--long-poll", "10"], log)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
+        wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
         yield CookbookServer(f"http://127.0.0.1:{port}", model, log)
     finally:
-        _stop(proc)
+        stop(proc)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ember.engine.builtin import build_model
-from tests.conformance.conftest import _serve, _stop, _wait_ready, free_port
+from tests.live_server import free_port, serve, stop, wait_ready
 
 MAX_ADAPTERS = 6
 # The demo's model (examples/arithmetic/demo.py): one token per character, so digits are tokens.
@@ -42,12 +42,12 @@ def rl_server(tmp_path_factory):
             "--port", str(port), "--max-rank", "32", "--max-adapters", str(MAX_ADAPTERS), "--long-poll", "10"]
     for name, path in models.items():
         args += ["--model", f"{name}={path}"]
-    proc = _serve(args, log)
+    proc = serve(args, log)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
+        wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
         yield RLServer(f"http://127.0.0.1:{port}", models, log)
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.fixture

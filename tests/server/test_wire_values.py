@@ -14,9 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ember.server.wire import schemas
+from tests.reliability.bodies import HOSTILE, HUGE, JSON_VALUES, mutated, paths, templates
 from tests.server.test_api import _model, _post_proto, _session, api_env, h
-
-HUGE = [10**30, 2**63, 2**64 + 1, -(2**63) - 1]
 
 
 def post(client, key, path, body):
@@ -116,15 +115,6 @@ def test_custom_loss_graphs_of_the_wrong_shape_are_a_400(env, bad):
 
 # -- property test ---------------------------------------------------------------------------------
 
-JSON_LEAVES = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
-    st.sampled_from(["\ud800", "a\udfffb", "", "tml-x", "tinker://a/weights/b", "s:train:0"]),
-)
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
-
-
 def _routes(app) -> list[tuple[str, str, list[str]]]:
     """(method, path, body field names) of every POST/PUT/GET route of the OpenAPI document."""
     out = []
@@ -136,61 +126,6 @@ def _routes(app) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def _templates(session, model, sampler) -> list[tuple[str, str, dict]]:
-    """A well-formed body for each route that takes one (what the SDK sends), for mutation."""
-    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
-    return [
-        ("POST", "/api/v1/create_session", {"tags": ["t"], "user_metadata": {"k": "v"}, "sdk_version": "0.38.0"}),
-        ("POST", "/api/v1/session_heartbeat", {"session_id": session}),
-        ("POST", "/api/v1/create_model", {"session_id": session, "model_seq_id": 7, "base_model": "tiny",
-                                          "lora_config": {"rank": 4, "seed": 1}, "user_metadata": {"a": 1}}),
-        ("POST", "/api/v1/get_info", {"model_id": model}),
-        ("POST", "/api/v1/optim_step", {"model_id": model, "seq_id": 2, "adam_params": {"learning_rate": 1e-4}}),
-        ("POST", "/api/v1/save_weights", {"model_id": model, "path": "w", "seq_id": 3, "ttl_seconds": 60}),
-        ("POST", "/api/v1/save_weights_for_sampler", {"model_id": model, "seq_id": 4, "sampling_session_seq_id": 2}),
-        ("POST", "/api/v1/save_weights_external", {"model_id": model, "path": "e", "seq_id": 5}),
-        ("POST", "/api/v1/load_weights", {"path": f"tinker://{model}/weights/w", "model_id": model, "seq_id": 6}),
-        ("POST", "/api/v1/load_weights", {"path": f"tinker://{model}/weights/w", "session_id": session,
-                                          "model_seq_id": 8, "base_model": "tiny"}),
-        ("POST", "/api/v1/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 5,
-                                                     "base_model": "tiny"}),
-        ("POST", "/api/v1/asample", {"sampling_session_id": sampler, "seq_id": 1, "num_samples": 1, "prompt": prompt,
-                                     "sampling_params": {"max_tokens": 2, "seed": 3, "top_k": 5, "stop": [1]},
-                                     "target_prompt_logprobs": {"data": [1, 2], "shape": [2, 1]}}),
-        ("POST", "/api/v1/retrieve_futures", {"target": {"type": "sampling_session", "sampling_session_id": sampler},
-                                              "prev_cursor": 0, "timeout": 0}),
-        ("POST", "/api/v1/create_custom_loss", {"session_id": session, "custom_loss_seq_id": 1, "name": "l",
-                                                "inputs": [{"name": "logprobs", "rank": 1}],
-                                                "graph": {"format": 1, "nodes": []}}),
-        ("POST", "/api/v1/sessions/search", {"limit": 5, "user_metadata": {"k": "v"}}),
-        ("PUT", f"/api/v1/sessions/{session}/project", {"project_id": "p"}),
-        ("POST", "/api/v1/copy_weights", {"source_path": f"tinker://{model}/weights/w", "session_id": session,
-                                          "model_seq_id": 9}),
-    ]
-
-
-SPECIAL = HUGE + [10**400, -1, 0, 2**31, 2**62, "\ud800", "a\udfffb", "", None, True, [], {}, [[[[[[1]]]]]]]
-HOSTILE = st.one_of(st.sampled_from(SPECIAL), st.sampled_from(SPECIAL), st.sampled_from(SPECIAL),
-                    st.integers(), st.floats(), st.text(max_size=6), JSON_VALUES)
-
-
-def _paths(body, prefix=()):
-    """Every key path of a nested body (dict keys and list indices)."""
-    items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
-    for k, v in items:
-        yield (*prefix, k)
-        yield from _paths(v, (*prefix, k))
-
-
-def _mutated(body, path, value):
-    body = json.loads(json.dumps(body))
-    target = body
-    for k in path[:-1]:
-        target = target[k]
-    target[path[-1]] = value
-    return body
-
-
 @settings(max_examples=int(os.environ.get("EMBER_FUZZ_EXAMPLES", "400")), deadline=None, derandomize="EMBER_FUZZ_EXAMPLES" not in os.environ,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
@@ -199,9 +134,9 @@ def test_generated_bodies_never_get_a_5xx(env, data):
     hostile one; the others: any route of the OpenAPI document with generated fields."""
     client, _, alice, bob, session, model, sampler = env
     if data.draw(st.integers(0, 3)):  # three in four
-        method, path, body = data.draw(st.sampled_from(_templates(session, model, sampler)))
-        where = data.draw(st.sampled_from(list(_paths(body))))
-        body = _mutated(body, where, data.draw(HOSTILE))
+        method, path, body = data.draw(st.sampled_from(templates(session, model, sampler)))
+        where = data.draw(st.sampled_from(list(paths(body))))
+        body = mutated(body, where, data.draw(HOSTILE))
     else:
         method, path, fields = data.draw(st.sampled_from(_routes(client.app)))
         path = path.replace("{", "").replace("}", "")  # path parameters: their own names, unknown ids

@@ -103,10 +103,9 @@ def run_schemathesis(live: Live, tally: Tally, examples: int) -> dict:
             @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             @given(case=op.as_strategy(generation_mode=mode))
-            def call(case):
+            def call(case, route=f"{op.method.upper()} {op.path}"):
                 response = case.call(base_url=live.base_url, headers=headers, timeout=30)
-                tally.record(f"{op.method.upper()} {op.path}", response.status_code, case.as_curl_command(),
-                             response.text)
+                tally.record(route, response.status_code, case.as_curl_command(), response.text)
 
             try:
                 call()

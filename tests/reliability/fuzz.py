@@ -100,18 +100,25 @@ def run_schemathesis(live: Live, tally: Tally, examples: int) -> dict:
         if (op.method.upper(), op.path) in SKIPPED:
             continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode))
-            def call(case, route=f"{op.method.upper()} {op.path}"):
-                response = case.call(base_url=live.base_url, headers=headers, timeout=30)
-                tally.record(route, response.status_code, case.as_curl_command(), response.text)
-
             try:
-                call()
+                _cases(op, mode, examples, live, tally, headers)()
             except Exception as e:  # noqa: BLE001 - an unsatisfiable schema is reported, not fatal
                 errors.append(f"{op.method.upper()} {op.path} {mode.value}: {type(e).__name__}: {str(e)[:200]}")
     return {"generation_errors": errors}
+
+
+def _cases(op, mode, examples: int, live: Live, tally: Tally, headers: dict):
+    """The hypothesis test that calls ``op`` with ``examples`` cases of ``mode``."""
+    route = f"{op.method.upper()} {op.path}"
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=op.as_strategy(generation_mode=mode))
+    def call(case):
+        response = case.call(base_url=live.base_url, headers=headers, timeout=30)
+        tally.record(route, response.status_code, case.as_curl_command(), response.text)
+
+    return call
 
 
 def run_mutations(live: Live, tally: Tally, examples: int, ids: tuple[str, str, str]) -> None:

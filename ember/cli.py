@@ -53,6 +53,7 @@ def _database_url(args: argparse.Namespace) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     from ember.server.config import ServerConfig
+    from ember.server.quotas import Quotas
     from ember.server.serve import parse_model_flags, run
     from ember.server.supervisor import EngineOptions
 
@@ -70,6 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
         models=models, database_url=database_url, storage=storage, auth=not args.no_auth, max_rank=args.max_rank,
         long_poll_s=args.long_poll, session_timeout_s=args.session_timeout, max_body_bytes=args.max_body_mb << 20,
         public_url=args.public_url, client_config=client_config,
+        quotas=Quotas(training_runs=args.quota_training_runs, samplers=args.quota_samplers,
+                      checkpoint_bytes=int(args.quota_checkpoint_gb * 2**30), queued_requests=args.quota_queued_requests),
     )
     engine = None if args.api_only else EngineOptions(
         database_url=database_url, storage=storage, device=args.device, dtype=args.dtype,
@@ -179,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--gap-timeout", type=float, default=300.0,
                        help="seconds a model waits for a missing seq_id before skipping it (default 300)")
     serve.add_argument("--max-body-mb", type=int, default=64, help="largest request body in MiB (default 64)")
+    serve.add_argument("--quota-training-runs", type=int, default=256,
+                       help="training runs (models creating or active) one API key may hold; 0 = no limit (default 256)")
+    serve.add_argument("--quota-samplers", type=int, default=16384,
+                       help="samplers of active sessions one API key may hold (default 16384)")
+    serve.add_argument("--quota-checkpoint-gb", type=float, default=1024.0,
+                       help="GiB of checkpoints one API key may store (default 1024)")
+    serve.add_argument("--quota-queued-requests", type=int, default=4096,
+                       help="requests one API key may have queued or running; past it submits get 429 with "
+                       "Retry-After (default 4096)")
     serve.add_argument("--stability-memory-mb", type=int, default=2048,
                        help="host memory per engine for stability records (sampling with record_stability_info, "
                        "for stable_reinforce) before the least recently used spill to local disk (default 2048)")
@@ -246,7 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         p.set_defaults(func=_train)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as e:
+        extra = _EXTRAS.get(args.command)
+        if extra is None or (e.name or "").split(".")[0] == "ember":
+            raise
+        print(f"ember {args.command} needs the {extra!r} extra, which is not installed (no module {e.name!r}): "
+              f"pip install 'ember[{extra}]'", file=sys.stderr)
+        return 2
+
+
+# the optional dependencies of each command (pyproject.toml [project.optional-dependencies])
+_EXTRAS = {"serve": "serve", "keys": "serve", "status": "serve", "rl": "rl", "sft": "rl"}
 
 
 if __name__ == "__main__":

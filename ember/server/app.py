@@ -24,6 +24,7 @@ from ember import doorbell
 from ember.server import metrics
 from ember.server.auth import JWT_SECRET_SETTING, Authenticator, require_owner
 from ember.server.config import ServerConfig
+from ember.server.quotas import QuotaGuard
 from ember.server.waiter import FutureWaiter
 from ember.storage import Storage
 from ember.store import Store
@@ -42,6 +43,7 @@ class EmberState:
     auth: Authenticator
     waiter: FutureWaiter
     secret: str
+    quota: QuotaGuard
     _doorbells: tuple[float, dict[str, int | None]] = (0.0, {})
     # models seen live, by id (see ``routes.common.hot_model``)
     models: dict[str, TrainingModel] = field(default_factory=dict)
@@ -264,6 +266,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
                            config.jwt_ttl_s),
         waiter=FutureWaiter(store),
         secret=store.setting("url_signing_secret", lambda: secrets.token_hex(32)),
+        quota=QuotaGuard(store, config.quotas),
     )
 
     @contextlib.asynccontextmanager

@@ -14,6 +14,7 @@ was revoked stops working within the cache time, as the key does.
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import jwt
@@ -24,10 +25,15 @@ from ember.server.errors import ApiError
 from ember.store.repo import KEY_PREFIX, NO_AUTH_OWNER
 
 _CACHE_S = 10.0  # a revoked key stops working within this time
+_CACHE_MAX = 65536
 JWT_ISSUER = "ember"
 JWT_ORG = "ember"  # one organisation per server: RestClient.whoami() reports tml:organization:ember
 JWT_SECRET_SETTING = "jwt_signing_secret"
 _INVALID_TOKEN = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def is_jwt(key: str) -> bool:
@@ -40,7 +46,9 @@ class Authenticator:
         self.enabled = enabled
         self.jwt_secret = jwt_secret
         self.jwt_ttl_s = jwt_ttl_s
-        self._cache: dict[str, tuple[str | None, float]] = {}  # key -> (owner, read at)
+        # SHA-256 of a key -> (owner, read at): keys are never held or compared in the clear (the
+        # store, too, looks a key up by its hash), so lookups leak nothing about a key's bytes
+        self._cache: dict[bytes, tuple[str | None, float]] = {}
         self._live: dict[str, float] = {}  # owner id of a JWT -> when its key was last seen unrevoked
 
     def owner(self, key: str | None) -> str:
@@ -58,7 +66,9 @@ class Authenticator:
         if known is not None:
             return known
         hit = (self.store.owner_of_key(key), time.monotonic())
-        self._cache[key] = hit  # type: ignore[index]
+        if len(self._cache) >= _CACHE_MAX:  # random keys must not grow it without bound
+            self._cache.clear()
+        self._cache[_digest(key)] = hit  # type: ignore[arg-type]
         return self._checked(hit[0])
 
     def cached(self, key: str | None) -> str | None:
@@ -73,7 +83,7 @@ class Authenticator:
             if not key.startswith(KEY_PREFIX):
                 raise ApiError(401, f"API keys start with {KEY_PREFIX!r}")
             return NO_AUTH_OWNER
-        hit = self._cache.get(key)
+        hit = self._cache.get(_digest(key))
         if hit is None or time.monotonic() - hit[1] > _CACHE_S:
             return None
         return self._checked(hit[0])
@@ -84,7 +94,7 @@ class Authenticator:
 
     def forget(self, key: str) -> None:
         """Drop ``key`` from the cache (it was just revoked here)."""
-        owner = self._cache.pop(key, (None, 0.0))[0]
+        owner = self._cache.pop(_digest(key), (None, 0.0))[0]
         if owner is not None:
             self._live.pop(owner, None)
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.server.quotas import Quotas
 from ember.server.wire.training import ModelLimits
 
 
@@ -51,3 +52,4 @@ class ServerConfig:
     jwt_ttl_s: float = 3600.0  # lifetime of the JWTs POST /auth/token issues (flag pjwt_auth_enabled)
     public_url: str | None = None  # base of download links; default: the URL the client used
     client_config: dict = field(default_factory=dict)  # extra flags for POST /api/v1/client/config
+    quotas: Quotas = field(default_factory=Quotas)  # per API key

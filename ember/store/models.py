@@ -116,6 +116,7 @@ class Future(Base):
         UniqueConstraint("sampler_id", "seq_id", name="uq_futures_sampler_seq"),
         Index("ix_futures_base_state", "base_model", "state"),
         Index("ix_futures_state_finished", "state", "finished_at"),
+        Index("ix_futures_owner_state", "owner", "state"),  # per-key queue quotas
     )
 
 

@@ -727,6 +727,28 @@ class Store:
             q = select(Future.id).where(Future.id.in_(list(request_ids)), Future.state.in_(("done", "failed")))
             return set(s.scalars(q))
 
+    def usage(self, owner: str, what: str) -> int:
+        """What ``owner`` holds now, for its quotas: ``training_runs`` (models creating or active),
+        ``samplers`` (samplers of active sessions), ``checkpoint_bytes`` (ready and pending
+        checkpoints) or ``queued_requests`` (futures pending or running)."""
+        with self.read() as s:
+            if what == "training_runs":
+                q = select(func.count()).select_from(TrainingModel).where(
+                    TrainingModel.owner == owner, TrainingModel.status.in_(("creating", "active")))
+            elif what == "samplers":
+                q = select(func.count()).select_from(SamplingSession).join(
+                    Session, Session.id == SamplingSession.session_id).where(
+                    SamplingSession.owner == owner, Session.status == "active")
+            elif what == "checkpoint_bytes":
+                q = select(func.coalesce(func.sum(Checkpoint.size_bytes), 0)).where(
+                    Checkpoint.owner == owner, Checkpoint.state.in_(("ready", "pending")))
+            elif what == "queued_requests":
+                q = select(func.count()).select_from(Future).where(
+                    Future.owner == owner, Future.state.in_(("pending", "running")))
+            else:
+                raise ValueError(f"unknown usage {what!r}")
+            return int(s.scalar(q) or 0)
+
     def queue_counts(self) -> dict[tuple[str, str], int]:
         """Number of futures by ``(base_model, state)``."""
         with self.read() as s:
@@ -1089,7 +1111,7 @@ class Store:
         source_model_id: str | None = None,
     ) -> str:
         """Sampler ``{session}:sample:{seq}``; idempotent (a retry returns the same id)."""
-        sid = f"{session_id}:sample:{seq}"
+        sid = self.sampler_id(session_id, seq)
         try:
             with self.write() as s:
                 if s.get(SamplingSession, sid) is None:
@@ -1108,6 +1130,11 @@ class Store:
         except IntegrityError:
             pass
         return sid
+
+    @staticmethod
+    def sampler_id(session_id: str, seq: int) -> str:
+        """The id of sampler ``seq`` of a session."""
+        return f"{session_id}:sample:{seq}"
 
     def get_sampling_session(self, sampler_id: str, owner: str | None) -> SamplingSession | None:
         with self.read() as s:

@@ -126,6 +126,7 @@ def submit(st: EmberState, **kwargs) -> str:
     """``Store.submit`` with its conflicts reported as 400 (never 409: the SDK retries those) and,
     with ``live=True``, a model that cannot take requests as ``live_model`` reports it (404, 410
     or 400; not recorded as a rejection)."""
+    st.quota.check(kwargs["owner"], "queued_requests")
     try:
         rid = st.store.submit(**kwargs)
     except Conflict as e:

@@ -47,6 +47,8 @@ def create_sampling_session(
         raise bad_request("create_sampling_session needs base_model or model_path")
     served_model(st, base)
     require_sampling(st, base)
+    if st.store.get_sampling_session(st.store.sampler_id(body.session_id, body.sampling_session_seq_id), owner) is None:
+        st.quota.check(owner, "samplers")
     sid = st.store.create_sampling_session(
         owner=owner,
         session_id=body.session_id,

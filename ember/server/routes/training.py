@@ -98,6 +98,10 @@ def create_model(body: schemas.CreateModelRequest, request: Request, owner: str 
 
 
 def _submit_model(st, **kwargs) -> str:
+    owner = kwargs["owner"]
+    if st.store.get_model(f"{kwargs['session_id']}:train:{kwargs['model_seq_id']}", owner) is None:  # not a retry
+        st.quota.check(owner, "training_runs")
+    st.quota.check(owner, "queued_requests")
     try:
         rid = st.store.submit_model(**kwargs)
     except Conflict as e:
@@ -279,6 +283,7 @@ def _save(st, owner: str, model: TrainingModel, seq_id: int, kind: str, name: st
           user_metadata: dict | None, overwrite: bool, reply_type: str, op: str = "save_weights",
           extra: dict | None = None) -> dict:
     """Queue a checkpoint write (the name and TTL are validated by the caller inside ``sequenced``)."""
+    st.quota.check(owner, "checkpoint_bytes")
     path = tinker_path(model.id, kind, name)
     uri = st.storage.uri_for(owner, model.id, kind, name)
     ckpt = Checkpoint(
@@ -325,6 +330,8 @@ def save_weights_for_sampler(
         if body.kind not in ("snapshot", "inflight"):
             raise bad_request(f"kind {body.kind!r} must be 'snapshot' or 'inflight'")
         require_sampling(st, model.base_model)
+        if st.store.get_sampling_session(st.store.sampler_id(model.session_id, body.sampling_session_seq_id), owner) is None:
+            st.quota.check(owner, "samplers")
         sid = st.store.create_sampling_session(
             owner=owner, session_id=model.session_id, seq=body.sampling_session_seq_id, base_model=model.base_model,
             model_path=None, weights_uri=None, source_model_id=model.id,

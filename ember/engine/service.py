@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from ember.core.adapters import AdapterBankFull, LoraConfig
 from ember.core.optim import AdamParams
@@ -48,6 +49,8 @@ from ember.types import (
 )
 
 log = logging.getLogger("ember.engine")
+STAGE_PREFIX = ".stage-"  # + pid: a checkpoint folder being written
+DB_RETRY_S = 300.0  # how long the engine waits for an unreachable database before it gives up
 
 Outcome = tuple[str, bytes | None, str | None, str | None]  # (future id, result, error, category)
 
@@ -102,11 +105,28 @@ class EngineService:
 
     # -- main loop --------------------------------------------------------------------------------
 
+    def remove_stale_staging(self) -> int:
+        """Delete the staging folders of engines that died mid-write (their pid is gone): what a
+        ``kill -9`` during a checkpoint save leaves beside the checkpoints. Never a checkpoint: a
+        staged folder only becomes one by its final rename."""
+        if not self.storage.is_local:
+            return 0
+        removed = 0
+        for stage in Path(self.storage.root).expanduser().glob(f"**/{STAGE_PREFIX}*"):
+            pid = stage.name[len(STAGE_PREFIX):].split("-", 1)[0]
+            if stage.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(stage, ignore_errors=True)
+                removed += 1
+        if removed:
+            log.info("removed stale checkpoint staging folders", extra={"count": removed})
+        return removed
+
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Poll and execute until ``should_stop()``. Without a doorbell, idle polling backs off
         from 1 ms to ``max_idle_poll_s``; with one, the API rings it after every submit, so an
         idle engine polls only every ``max_idle_poll_s`` (for submits nobody rang about) and spends
         no CPU on empty reads meanwhile (on a small machine, CPU the API process needs)."""
+        self.remove_stale_staging()
         self.store.engine_ready(self.base_model)
         log.info("engine ready", extra={"base_model": self.base_model, "pid": os.getpid()})
         idle = self.max_idle_poll_s if self.doorbell is not None else 0.001
@@ -120,7 +140,7 @@ class EngineService:
                 self.stability.expire()
                 self._last_expiry = now
             if now - self._last_beat > 2.0:
-                self.store.engine_progress(self.base_model, 0, 0, 0.0)
+                self._durable(self.store.engine_progress, self.base_model, 0, 0, 0.0)
                 self._last_beat = now
             if self.doorbell is not None:
                 self.doorbell.wait(idle)
@@ -138,7 +158,7 @@ class EngineService:
             )
             return work, [f.id for f in work.ops + work.passes + work.samples]
 
-        work, payloads = self.store.take(self.base_model, choose)
+        work, payloads = self._durable(self.store.take, self.base_model, choose)
         if not work:
             return False
         if work.dead or work.skip:
@@ -166,11 +186,29 @@ class EngineService:
         with the committed outcomes (``ember.doorbell.ring_results``), so its long-polls answer at
         once without reading them back. The store is the record; a lost datagram only means the
         API finds the result at its next poll."""
-        claimed = self.store.finish(outcomes, **kwargs)
+        claimed = self._durable(self.store.finish, outcomes, **kwargs)
         if outcomes:
             for port in self._listener_ports():
                 ring_results(port, self._result_key, outcomes)
         return claimed
+
+    def _durable(self, call: Callable, *args, **kwargs):
+        """``call`` retried while the database is unreachable (a restart, a network blip), for up to
+        ``DB_RETRY_S``: the engine keeps its models and, for ``finish``, the outcomes it holds in
+        memory, instead of dying and losing both. A transaction that failed is rolled back, so a
+        retry runs it once."""
+        deadline = time.monotonic() + DB_RETRY_S
+        delay = 0.1
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except (OperationalError, InterfaceError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("database unavailable; retrying", extra={"call": getattr(call, "__name__", "?"),
+                                                                     "error": str(e).splitlines()[0][:200]})
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     def _listener_ports(self) -> list[int]:
         now = time.monotonic()
@@ -509,7 +547,7 @@ class EngineService:
         local = self.storage.local_path(uri)
         if local is not None:
             local.parent.mkdir(parents=True, exist_ok=True)
-        base = Path(tempfile.mkdtemp(prefix=".stage-", dir=local.parent if local is not None else None))
+        base = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=local.parent if local is not None else None))
         out = base / "out"
         try:
             yield out
@@ -530,6 +568,16 @@ class EngineService:
             return
         with tempfile.TemporaryDirectory(prefix="ember-load-") as tmp:
             yield self.storage.download_dir(uri, Path(tmp) / "ckpt")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _sample_result(out: SampleOutput) -> dict:

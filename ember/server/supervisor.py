@@ -19,6 +19,7 @@ from ember.server.config import ServedModel
 from ember.store import Store
 
 log = logging.getLogger("ember.supervisor")
+HEALTHY_S = 10.0  # an engine that ran this long before it died is restarted without backoff (a crash loop at start is not)
 
 
 @dataclass
@@ -47,7 +48,8 @@ class EngineSupervisor:
         self.options = options
         self.poll_s = poll_s
         self.procs: dict[str, subprocess.Popen] = {}
-        self._backoff: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}  # delay before the next restart of a crashing engine
+        self._started: dict[str, float] = {}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,28 +82,38 @@ class EngineSupervisor:
 
     def _spawn(self, name: str) -> None:
         self.procs[name] = subprocess.Popen(self.command(name), stdin=subprocess.DEVNULL)
+        self._started[name] = time.monotonic()
         log.info("engine started", extra={"base_model": name, "pid": self.procs[name].pid})
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):
-            for name, proc in list(self.procs.items()):
-                code = proc.poll()
-                if code is None or self._stopping.is_set():
-                    continue
-                detail = (
-                    f"the engine for base model {name!r} died (exit code {code}) while this request was queued or "
-                    "running; its models were lost and the engine is restarting. Recreate the training client from "
-                    "a checkpoint (create_training_client_from_state_with_optimizer)."
-                )
-                failed, lost = self.store.engine_lost(name, detail)
-                log.error("engine died", extra={"base_model": name, "exit_code": code, "futures_failed": failed,
-                                                 "models_lost": lost})
-                delay = self._backoff.get(name, 0.0)
-                if delay:
-                    time.sleep(delay)
-                self._backoff[name] = min(30.0, max(1.0, delay * 2))
-                if not self._stopping.is_set():
-                    self._spawn(name)
+            try:
+                self._check()
+            except Exception:  # a database hiccup must not stop the watcher: the next poll retries
+                log.exception("engine watcher pass failed")
+
+    def _check(self) -> None:
+        """Fail the requests of dead engines and start new ones."""
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None or self._stopping.is_set():
+                continue
+            detail = (
+                f"the engine for base model {name!r} died (exit code {code}) while this request was queued or "
+                "running; its models were lost and the engine is restarting. Recreate the training client from "
+                "a checkpoint (create_training_client_from_state_with_optimizer)."
+            )
+            failed, lost = self.store.engine_lost(name, detail)
+            log.error("engine died", extra={"base_model": name, "exit_code": code, "futures_failed": failed,
+                                             "models_lost": lost})
+            delay = self._backoff.get(name, 0.0)
+            if time.monotonic() - self._started.get(name, 0.0) > HEALTHY_S:
+                delay = 0.0  # it had run well: a new crash restarts at once
+            if delay:
+                time.sleep(delay)
+            self._backoff[name] = min(30.0, max(1.0, delay * 2))
+            if not self._stopping.is_set():
+                self._spawn(name)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate the engines (SIGTERM, then SIGKILL after ``timeout_s``)."""

@@ -35,7 +35,7 @@ def fresh_database(tmp: Path) -> Iterator[str]:
         return
     base = make_url(normalise_url(url))
     name = f"ember_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    admin = create_engine(base, isolation_level="AUTOCOMMIT", pool_pre_ping=True)  # survives a server restart
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
     try:

@@ -52,6 +52,7 @@ def _database_url(args: argparse.Namespace) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from ember.jsonlog import resolve_format
     from ember.server.config import ServerConfig
     from ember.server.quotas import Quotas
     from ember.server.serve import parse_model_flags, run
@@ -79,9 +80,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_adapters=args.max_adapters, max_rank=args.max_rank, token_budget=args.token_budget,
         gap_timeout_s=args.gap_timeout, log_level=args.log_level, cpu_threads=args.cpu_threads,
         stability_memory_mb=args.stability_memory_mb, stability_disk_mb=args.stability_disk_mb,
-        stability_ttl_s=args.stability_ttl,
+        stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
     )
-    run(config, args.host, args.port, engine, args.log_level)
+    run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
 
 
@@ -206,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-only", action="store_true",
                        help="run only the API process; engines run elsewhere on the same database")
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-format", default="auto", choices=("auto", "text", "json"),
+                       help="readable text lines or JSON lines on stderr (default auto: text on a terminal, "
+                       "JSON otherwise)")
     serve.set_defaults(func=_serve)
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys", description="Manage API keys (stored hashed).")

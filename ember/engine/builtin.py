@@ -16,6 +16,9 @@ from pathlib import Path
 BUILTIN_NAME = "ember-tiny-qwen3"
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
+# ChatML, as Qwen's instruct models use it (what chat clients of the OpenAI-compatible endpoint get)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 # A small English corpus for the BPE merges (the tokenizer only needs to be valid and deterministic).
 _CORPUS = """
@@ -49,6 +52,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return len(fast)
 

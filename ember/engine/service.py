@@ -652,8 +652,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a stability record is kept without use")
     ap.add_argument("--stability-dir", default=None, help="folder for spilled stability records (default: a temp dir)")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-format", default="auto", choices=("auto", "text", "json"),
+                    help="text (readable) or json lines on stderr; auto: text on a terminal")
     args = ap.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     if args.device == "cpu":
         torch.set_num_threads(cpu_threads(args.cpu_threads))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

@@ -42,14 +42,15 @@ def parse_model_flags(flags: list[str], home: Path) -> dict[str, ServedModel]:
     return models
 
 
-def run(config: ServerConfig, host: str, port: int, engine: EngineOptions | None, log_level: str = "INFO") -> None:
+def run(config: ServerConfig, host: str, port: int, engine: EngineOptions | None, log_level: str = "INFO",
+        log_format: str = "auto") -> None:
     """Serve until interrupted; ``engine=None`` runs the API alone (engines run elsewhere)."""
     import uvicorn
 
     from ember.server.app import create_app
     from ember.store import Store
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     # uvicorn re-raises SIGTERM after its graceful shutdown; make that unwind through `finally`
     # (stopping the engines) instead of killing the process on the spot.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

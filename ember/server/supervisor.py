@@ -33,6 +33,7 @@ class EngineOptions:
     token_budget: int = 16384
     gap_timeout_s: float = 300.0
     log_level: str = "INFO"
+    log_format: str = "json"  # text | json (resolved by ember serve: its own format, for one readable stream)
     cpu_threads: int | None = None  # torch threads of a CPU engine (None: the engine's default)
     stability_memory_mb: int = 2048  # stability records (record_stability_info) in host memory ...
     stability_disk_mb: int = 16384  # ... then spilled to local disk ...
@@ -60,6 +61,7 @@ class EngineSupervisor:
             "--database-url", o.database_url, "--storage", o.storage, "--device", o.device,
             "--max-adapters", str(o.max_adapters), "--max-rank", str(o.max_rank),
             "--token-budget", str(o.token_budget), "--gap-timeout", str(o.gap_timeout_s), "--log-level", o.log_level,
+            "--log-format", o.log_format,
             "--parent-pid", str(os.getpid()), "--stability-memory-mb", str(o.stability_memory_mb),
             "--stability-disk-mb", str(o.stability_disk_mb), "--stability-ttl", str(o.stability_ttl_s),
         ]

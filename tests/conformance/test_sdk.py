@@ -25,6 +25,10 @@ def test_stage5b_stable_reinforce_with_the_stability_record(server):
     run_scenario(server, "s5_stable_reinforce")
 
 
+def test_openai_compatible_endpoints_with_the_openai_client(server):
+    run_scenario(server, "s_openai")
+
+
 def test_stage6_custom_losses_client_and_server_side(server):
     run_scenario(server, "s6_custom_loss")
 

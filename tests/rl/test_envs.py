@@ -193,3 +193,13 @@ def test_digit_credit_and_second_operand_digits(tokenizer):
     wrong_units = str(int(p.answer) // 10) + str((int(p.answer) + 1) % 10)
     step = env.step(tokenizer.encode(wrong_units, add_special_tokens=False) + [tokenizer.eos_token_id], "stop")
     assert step.metrics["correct"] == 0.0 and step.reward == pytest.approx((len(p.answer) - 1) / len(p.answer))
+
+
+def test_chat_prompts_use_the_tokenizers_template(tokenizer):
+    """``prompt = "chat"``: the tokenizer's chat template with a generation prompt (ChatML for the
+    built-in tokenizer), as token ids."""
+    from ember.rl.envs.base import PromptFormat
+
+    ids = PromptFormat(tokenizer, "chat").prompt("1+1?")
+    assert ids and all(isinstance(i, int) for i in ids)
+    assert tokenizer.decode(ids) == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"

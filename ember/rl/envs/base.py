@@ -76,7 +76,7 @@ class PromptFormat:
         if self.template == "chat":
             ids = self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
                 [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
         return list(self.tokenizer.encode(self.template.format(question=question), add_special_tokens=False))
 
     def completion(self, answer: str) -> list[int]:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ember.doorbell import Outcome
 from ember.server.auth import require_owner
-from ember.server.errors import not_found
+from ember.server.errors import ApiError, not_found
 from ember.server.routes.common import ember
 from ember.server.wire import schemas
 from ember.server.wire.training import encode_forward_backward_output
@@ -109,6 +109,25 @@ async def retrieve_future(body: schemas.RetrieveFutureRequest, request: Request,
         if answer is None:  # purged meanwhile (cannot happen within the retention window)
             raise not_found(f"request {body.request_id!r}")
     return answer
+
+
+async def outcome(st, request_id: str, owner: str, timeout_s: float) -> tuple[str, dict, str | None]:
+    """``(state, result, error)`` of a request once it has finished (for routes that answer with
+    the result itself rather than a future); 504 after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mark = st.waiter.mark()
+        row = await run_in_threadpool(st.store.get_future, request_id, owner)
+        if row is None:
+            raise not_found(f"request {request_id!r}")
+        if row.state in ("done", "failed"):
+            return row.state, decode(row.result) if row.result else {}, row.error
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(504, f"request {request_id} did not finish within {timeout_s:g} s")
+        woke = await st.waiter.wait(request_id, left, since=mark)
+        if isinstance(woke, Outcome):
+            return woke.state, decode(woke.result) if woke.result else {}, woke.error
 
 
 def _completion(request_id: str, state: str) -> dict:

@@ -87,7 +87,7 @@ def live_server(root: Path, *, auth: bool = True, database_url: str | None = Non
         wait_ready(live.base_url, proc, log, engines=True)
         yield live
     finally:
-        stop(proc)
+        stop(live.proc)  # the one running now: a fault test may have restarted it
 
 
 def wait_engine(live: Live, timeout_s: float = 120.0) -> float:

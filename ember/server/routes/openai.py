@@ -35,6 +35,7 @@ from ember.server.routes.futures import outcome
 from ember.server.routes.sampling import _submit_sample, require_sampling
 from ember.server.wire import schemas
 from ember.server.wire.openai import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -163,7 +164,7 @@ async def _serve(request: Request, schema, chat: bool):
         st = ember(request)
         base, sampler = await run_in_threadpool(_SESSIONS.sampler, st, owner, body.model)
         tok = await run_in_threadpool(tokenizer, st, base)
-        prompts = _prompts(tok, body, chat)
+        prompts = await run_in_threadpool(_prompts, tok, body, chat)
         k = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
         want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         ends = [t for t in (tok.eos_token, *END_OF_TURN) if t and t in tok.get_vocab()]
@@ -183,10 +184,9 @@ async def _serve(request: Request, schema, chat: bool):
     for state, _, error in results:
         if state == "failed":
             return JSONResponse(OpenAIError(400, f"sampling failed: {error}").body(), status_code=400)
-    choices = []
-    for result in (r[1] for r in results):
-        for seq in result["sequences"]:
-            choices.append(_choice(tok, seq, stops, len(choices), chat, want_logprobs, k))
+    seqs = [seq for _, result, _ in results for seq in result["sequences"]]
+    choices = await run_in_threadpool(lambda: [_choice(tok, seq, stops, i, chat, want_logprobs, k)
+                                               for i, seq in enumerate(seqs)])
     cid = completion_id("chatcmpl" if chat else "cmpl")
     use = usage(sum(len(p) for p in prompts), sum(c.pop("_tokens") for c in choices))
     if body.stream:
@@ -210,6 +210,8 @@ def _prompts(tok, body, chat: bool) -> list[list[int]]:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]
     p = body.prompt
+    if isinstance(p, list) and p and not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
+        raise OpenAIError(400, f"{len(p)} prompts in one request; at most {MAX_PROMPTS}", "prompt")
     if isinstance(p, str):
         return [tok(p)["input_ids"]]
     if not p:
@@ -225,11 +227,8 @@ def _choice(tok, seq: dict, stops: list[str], index: int, chat: bool, logprobs: 
     """One choice: the text up to the first stop string (special tokens skipped), its finish
     reason and logprobs, and (for streaming) the text piece each token added."""
     tokens = [int(t) for t in seq["tokens"]]
-    pieces, text = [], ""
-    for i in range(len(tokens)):
-        upto = tok.decode(tokens[: i + 1], skip_special_tokens=True)
-        pieces.append(upto[len(text):])
-        text = upto
+    text = tok.decode(tokens, skip_special_tokens=True)
+    pieces = text_pieces(tok, tokens, text)
     finish = "stop" if seq["stop_reason"] == "stop" else "length"
     cut = min((text.find(s) for s in stops if s in text), default=-1)
     if cut >= 0:
@@ -249,6 +248,29 @@ def _choice(tok, seq: dict, stops: list[str], index: int, chat: bool, logprobs: 
     else:
         out["text"] = text
     return out
+
+
+def text_pieces(tok, tokens: list[int], text: str) -> list[str]:
+    """The text each token adds, joining to ``text`` (the decode of all of them): each token is
+    decoded in a window that starts at the previous piece's tokens (so a tokenizer that drops a
+    leading space at the start of a decode still sees its context), and a piece is held back while
+    it ends in an incomplete UTF-8 character. Two short decodes per token, not one of each prefix."""
+    pieces, prefix, read = [], 0, 0
+    for i in range(len(tokens)):
+        before = tok.decode(tokens[prefix:read], skip_special_tokens=True)
+        now = tok.decode(tokens[prefix:i + 1], skip_special_tokens=True)
+        if len(now) > len(before) and now.startswith(before) and not now.endswith("\ufffd"):
+            pieces.append(now[len(before):])
+            prefix, read = read, i + 1
+        else:
+            pieces.append("")
+    joined = "".join(pieces)
+    if joined != text:  # held-back bytes at the end, or a tokenizer whose windows do not add up
+        if text.startswith(joined) and pieces:
+            pieces[-1] += text[len(joined):]
+        else:
+            pieces = [text] + [""] * (len(tokens) - 1) if tokens else []
+    return pieces
 
 
 def _logprobs(tok, tokens: list[int], seq: dict, chat: bool, k: int) -> dict:

@@ -14,6 +14,7 @@ from ember.server.wire.schemas import _Body
 
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's own cap)
 MAX_N = 128
+MAX_PROMPTS = 64  # prompts in one /completions request (each becomes a sampling request)
 
 
 class OpenAIError(Exception):

@@ -55,6 +55,30 @@ DB_RETRY_S = 300.0  # how long the engine waits for an unreachable database befo
 Outcome = tuple[str, bytes | None, str | None, str | None]  # (future id, result, error, category)
 
 
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes the engine holds: allocated accelerator memory, or resident memory on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def finite_metrics(metrics: dict) -> dict[str, float]:
+    """A result's scalar metrics that a JSON column can hold (``run_metrics``)."""
+    out = {}
+    for k, v in (metrics or {}).items():
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            continue
+        if np.isfinite(v):
+            out[str(k)] = v
+    return out
+
 class UserError(Exception):
     """A request that failed because of what the client asked for (category ``user``)."""
 
@@ -140,7 +164,8 @@ class EngineService:
                 self.stability.expire()
                 self._last_expiry = now
             if now - self._last_beat > 2.0:
-                self._durable(self.store.engine_progress, self.base_model, 0, 0, 0.0)
+                self._durable(self.store.engine_progress, self.base_model, 0, 0, 0.0,
+                              memory_in_use(self.worker.device))
                 self._last_beat = now
             if self.doorbell is not None:
                 self.doorbell.wait(idle)
@@ -224,6 +249,7 @@ class EngineService:
     def _run_pass(self, futures: list[PendingFuture], payloads: dict[str, bytes | None]) -> None:
         requests: list[ForwardBackwardInput | str | None] = []  # str: the request failed before the pass
         outcomes: list[Outcome] = []
+        metrics: list[tuple[str, int, str, dict[str, float]]] = []
         for f in futures:
             slot = self.slots.get(f.model_id)  # type: ignore[arg-type]
             if slot is None:
@@ -262,6 +288,8 @@ class EngineService:
                 else:
                     result = {"logprobs": [np.asarray(x, np.float32) for x in out.logprobs], "metrics": out.metrics}
                     outcomes.append((f.id, encode(result), None, None))
+                    op = "forward" if req.forward_only else "forward_backward"
+                    metrics.append((f.model_id, f.seq_id, op, finite_metrics(out.metrics)))  # type: ignore[arg-type]
         advance: dict[str, int] = {}
         for f in futures:
             advance[f.model_id] = max(advance.get(f.model_id, 0), f.seq_id + 1)  # type: ignore[index, operator]
@@ -269,8 +297,8 @@ class EngineService:
         # The finish also claims each model's next request when it is an op (the optim_step the
         # SDK sends right after a forward_backward, usually queued while the pass ran): it runs
         # now, not after another tick's reads and claim.
-        follow = self._finish(outcomes, advance=advance, progress=(self.base_model, 1, tokens, seconds),
-                              claim_next=True)
+        follow = self._finish(outcomes, advance=advance, claim_next=True, metrics=metrics,
+                              progress=(self.base_model, 1, tokens, seconds, memory_in_use(self.worker.device)))
         self._last_beat = time.monotonic()
         log.info(
             "packed pass",
@@ -421,12 +449,14 @@ class EngineService:
         category: str | None,
         model_status: tuple[str, str | None] | None = None,
         checkpoint: tuple[str, tuple[str, int | None]] | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         self._finish(
             [(f.id, encode(result) if error is None else None, error, category)],
             advance={f.model_id: f.seq_id + 1} if f.model_id and f.seq_id is not None else None,
             model_status={f.model_id: model_status} if model_status and f.model_id else None,
             checkpoints=dict([checkpoint]) if checkpoint else None,
+            metrics=[(f.model_id, f.seq_id, f.op, metrics)] if metrics is not None else (),  # type: ignore[list-item]
         )
 
     def _run_op(self, f: PendingFuture, payload: bytes | None) -> None:
@@ -446,8 +476,12 @@ class EngineService:
             self._op_failed(f, f"{f.op} failed: {type(e).__name__}: {e}", "server", ckpt_path)
             return
         size = result.get("size_bytes") if isinstance(result, dict) else None
+        metrics = None
+        if f.op == "optim_step":  # a point of the run's curves: the step, its learning rate and metrics
+            metrics = {**finite_metrics(result.get("metrics")), "learning_rate": float(p["adam"]["learning_rate"])}
         self._finish_one(
-            f, result, None, None, model_status=status, checkpoint=(ckpt_path, ("ready", size)) if ckpt_path else None
+            f, result, None, None, model_status=status, checkpoint=(ckpt_path, ("ready", size)) if ckpt_path else None,
+            metrics=metrics,
         )
         log.info("operation", extra={"op": f.op, "model_id": f.model_id, "seconds": round(time.perf_counter() - t0, 4)})
 

@@ -255,7 +255,7 @@ def hot_routes() -> dict:
 
 def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     """The API application for ``config`` (the store is opened and migrated unless given)."""
-    from ember.server.routes import futures, openai, rest, sampling, service, training
+    from ember.server.routes import console, futures, openai, rest, sampling, service, training
 
     store = store or Store.open(config.database_url)
     state = EmberState(
@@ -297,6 +297,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     for module in (futures, training, sampling, service, rest):  # the hot routes are matched first
         app.include_router(module.router)
     app.include_router(openai.router)
+    app.include_router(console.router)
     app.include_router(metrics.router)
     app.add_middleware(HotRoutes, api=app, routes=hot_routes())
     app.add_middleware(AccessLog)

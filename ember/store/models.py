@@ -193,6 +193,23 @@ class EngineRecord(Base):
     busy_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     last_pass_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     last_pass_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # accelerator (else resident) memory
+
+
+class RunMetric(Base):
+    """The metrics of one finished training request (``forward_backward``, ``forward`` or
+    ``optim_step``) of a model, as its result reported them: the console's curves. A point's step
+    is the number of the model's ``optim_step`` rows before it (``seq_id`` order)."""
+
+    __tablename__ = "run_metrics"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(String(100))
+    seq_id: Mapped[int] = mapped_column(BigInteger)
+    op: Mapped[str] = mapped_column(String(40))
+    metrics: Mapped[dict] = mapped_column(JSON)  # name -> float
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (Index("ix_run_metrics_model_seq", "model_id", "seq_id"),)
 
 
 class ResultListener(Base):

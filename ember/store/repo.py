@@ -31,6 +31,7 @@ from ember.store.models import (
     EngineRecord,
     Future,
     ResultListener,
+    RunMetric,
     SamplingSession,
     Session,
     Setting,
@@ -164,7 +165,10 @@ _CLAIM_NEXT = (  # a model's next request if it is an op and the model is active
 
 _ENGINES = EngineRecord.__table__
 _HEARTBEAT = update(_ENGINES).where(_ENGINES.c.base_model == bindparam("bm")).values(heartbeat_at=bindparam("now"))
+_BEAT_MEMORY = _HEARTBEAT.values(memory_bytes=bindparam("mem"))
+_INSERT_METRICS = insert(RunMetric.__table__)
 _PROGRESS = _HEARTBEAT.values(
+    memory_bytes=bindparam("mem"),
     passes=_ENGINES.c.passes + bindparam("passes"),
     tokens=_ENGINES.c.tokens + bindparam("tokens"),
     busy_seconds=_ENGINES.c.busy_seconds + bindparam("seconds"),
@@ -845,13 +849,16 @@ class Store:
         advance: dict[str, int] | None = None,
         model_status: dict[str, tuple[str, str | None]] | None = None,
         checkpoints: dict[str, tuple[str, int | None]] | None = None,
-        progress: tuple[str, int, int, float] | None = None,
+        progress: tuple[str, int, int, float, int | None] | None = None,
         claim_next: bool = False,
+        metrics: Sequence[tuple[str, int, str, dict[str, float]]] = (),
     ) -> list[tuple[PendingFuture, bytes | None]]:
         """Record results in one transaction: ``outcomes`` = ``(id, result, error, category)``;
         ``advance`` = new ``next_seq`` per model; ``model_status`` = ``(status, detail)`` per model;
         ``checkpoints`` = ``(state, size_bytes)`` per tinker path (``failed`` ones are removed);
-        ``progress`` = ``(base_model, passes, tokens, seconds)``: the engine's ``engine_progress``.
+        ``progress`` = ``(base_model, passes, tokens, seconds, memory_bytes)``: the engine's
+        ``engine_progress``; ``metrics`` = ``(model_id, seq_id, op, {name: value})`` of finished
+        training requests (``run_metrics``).
 
         ``claim_next``: in the same transaction, claim (mark running) the queued request of every
         advanced, active model that is next in its ``seq_id`` order and is not a forward_backward
@@ -869,6 +876,9 @@ class Store:
                 self._progress(s, *progress)
             if done:
                 s.execute(_FINISH_DONE, done)
+            if metrics:
+                s.execute(_INSERT_METRICS, [{"model_id": mid, "seq_id": seq, "op": op, "metrics": values,
+                                             "created_at": now} for mid, seq, op, values in metrics])
             if failed:
                 s.execute(_FINISH_FAILED, failed)
             if advance:
@@ -910,18 +920,57 @@ class Store:
         with self.write() as s:
             s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(status=status))
 
-    def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float) -> None:
-        """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens)."""
+    def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float,
+                        memory_bytes: int | None = None) -> None:
+        """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens) and the
+        engine's memory in use (accelerator memory, or resident memory on the CPU)."""
         with self.write() as s:
-            self._progress(s, base_model, passes, tokens, seconds)
+            self._progress(s, base_model, passes, tokens, seconds, memory_bytes)
 
     @staticmethod
-    def _progress(s: OrmSession | Connection, base_model: str, passes: int, tokens: int, seconds: float) -> None:
+    def _progress(s: OrmSession | Connection, base_model: str, passes: int, tokens: int, seconds: float,
+                  memory_bytes: int | None = None) -> None:
         params = {"bm": base_model, "now": utcnow()}
         if passes:
-            s.execute(_PROGRESS, {**params, "passes": passes, "tokens": tokens, "seconds": seconds})
+            s.execute(_PROGRESS, {**params, "passes": passes, "tokens": tokens, "seconds": seconds,
+                                  "mem": memory_bytes})
+        elif memory_bytes is not None:
+            s.execute(_BEAT_MEMORY, {**params, "mem": memory_bytes})
         else:
             s.execute(_HEARTBEAT, params)
+
+    def run_metrics(self, model_id: str, owner: str, after_seq: int = 0, limit: int = 10_000) -> list[dict]:
+        """The owner's model's metric points after ``after_seq`` in ``seq_id`` order (``[]`` for
+        another key's model): ``{"seq_id", "op", "step", "metrics", "time"}``, where ``step`` counts
+        the model's ``optim_step`` points before this one."""
+        with self.read() as s:
+            if s.scalar(select(TrainingModel.id).where(TrainingModel.id == model_id,
+                                                      TrainingModel.owner == owner)) is None:
+                return []
+            steps = s.scalar(select(func.count()).select_from(RunMetric).where(
+                RunMetric.model_id == model_id, RunMetric.op == "optim_step", RunMetric.seq_id <= after_seq)) or 0
+            rows = s.execute(select(RunMetric.seq_id, RunMetric.op, RunMetric.metrics, RunMetric.created_at)
+                             .where(RunMetric.model_id == model_id, RunMetric.seq_id > after_seq)
+                             .order_by(RunMetric.seq_id).limit(limit)).all()
+        points = []
+        for seq, op, values, at in rows:
+            points.append({"seq_id": seq, "op": op, "step": steps, "metrics": values,
+                           "time": at.replace(tzinfo=UTC).isoformat()})
+            steps += op == "optim_step"
+        return points
+
+    def samplers_of(self, owner: str, limit: int = 200) -> list[SamplingSession]:
+        """The owner's sampling sessions, newest first."""
+        with self.read() as s:
+            return list(s.scalars(select(SamplingSession).where(SamplingSession.owner == owner)
+                                  .order_by(SamplingSession.created_at.desc()).limit(limit)))
+
+    def owner_queue(self, owner: str) -> dict[str, int]:
+        """The owner's unfinished requests by state."""
+        with self.read() as s:
+            q = (select(Future.state, func.count()).where(Future.owner == owner, Future.state.in_(("pending", "running")))
+                 .group_by(Future.state))
+            return dict(s.execute(q).all())
 
     # -- result listeners (API processes notified when requests finish) --------------------------
 

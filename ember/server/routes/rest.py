@@ -150,6 +150,13 @@ def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, own
     ckpt = _owned_checkpoint(st, owner, run_id, checkpoint_id)
     if ckpt.kind != "external":
         raise bad_request(f"{ckpt.tinker_path} is not an external_weights checkpoint; export one with save_weights_external")
+    urls, expires = signed_file_urls(st, request, ckpt)
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+def signed_file_urls(st, request: Request, ckpt) -> tuple[dict[str, str], float]:
+    """``({file name: self-authorising URL}, expiry as a Unix time)`` of a checkpoint's files; a
+    URL expires with the checkpoint, and after ``download_url_ttl_s`` at the latest."""
     expires = time.time() + st.config.download_url_ttl_s
     if ckpt.expires_at is not None:
         expires = min(expires, ckpt.expires_at.replace(tzinfo=UTC).timestamp())
@@ -158,7 +165,7 @@ def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, own
     for name, _size in st.storage.list_files(ckpt.uri):
         token = sign_token(st.secret, {"p": ckpt.tinker_path, "f": name}, expires)
         urls[name] = f"{base}/api/v1/download/{token}"
-    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+    return urls, expires
 
 
 @router.get("/download/{token}")

@@ -73,3 +73,20 @@ def mutated(body, path, value):
         target = target[k]
     target[path[-1]] = value
     return body
+
+
+def corrupted(body: bytes, data, at_least: int = 0) -> bytes:
+    """``body`` with ``at_least``–4 edits at places hypothesis draws: a byte overwritten, a few
+    bytes inserted, or one cut (a protobuf body the SDK encoded, broken as a network or a hostile
+    client would break it)."""
+    out = bytearray(body)
+    for _ in range(data.draw(st.integers(at_least, 4))):
+        i = data.draw(st.integers(0, len(out) - 1))
+        action = data.draw(st.sampled_from(["set", "insert", "cut"]))
+        if action == "set":
+            out[i] = data.draw(st.integers(0, 255))
+        elif action == "insert":
+            out[i:i] = data.draw(st.binary(min_size=1, max_size=8))
+        elif len(out) > 1:
+            del out[i]
+    return bytes(out)

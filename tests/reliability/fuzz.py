@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from tests.reliability.bodies import HOSTILE, mutated, paths, templates
+from tests.reliability.bodies import HOSTILE, corrupted, mutated, paths, templates
 from tests.reliability.live import MODEL, Live, live_server
 
 PROBE_EVERY = 25  # requests between two well-formed requests of another key
@@ -152,18 +152,9 @@ def run_mutations(live: Live, tally: Tally, examples: int, ids: tuple[str, str, 
         loss = data.draw(st.sampled_from(["cross_entropy", "stable_reinforce", "ppo"]))
         req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
             data=[d if data.draw(st.booleans()) else datum], loss_fn=loss), model_id=model, seq_id=data.draw(st.integers(1, 9)))
-        body = bytearray(forward_backward_request_to_proto(req).SerializeToString())
-        for _ in range(data.draw(st.integers(0, 4))):
-            i = data.draw(st.integers(0, len(body) - 1))
-            action = data.draw(st.sampled_from(["set", "insert", "cut"]))
-            if action == "set":
-                body[i] = data.draw(st.integers(0, 255))
-            elif action == "insert":
-                body[i:i] = data.draw(st.binary(min_size=1, max_size=8))
-            elif len(body) > 1:
-                del body[i]
+        body = corrupted(forward_backward_request_to_proto(req).SerializeToString(), data)
         compress = data.draw(st.booleans())
-        payload = zstandard.ZstdCompressor().compress(bytes(body)) if compress else bytes(body)
+        payload = zstandard.ZstdCompressor().compress(body) if compress else body
         headers = {"Content-Type": "application/x-protobuf", **({"Content-Encoding": "zstd"} if compress else {})}
         r = client.post("/api/v1/forward_backward", content=payload, headers=headers)
         tally.record("POST /api/v1/forward_backward", r.status_code, body.hex()[:400], r.text)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ember.server.wire import schemas
-from tests.reliability.bodies import HOSTILE, HUGE, JSON_VALUES, mutated, paths, templates
+from tests.reliability.bodies import HOSTILE, HUGE, JSON_VALUES, corrupted, mutated, paths, templates
 from tests.server.test_api import _model, _post_proto, _session, api_env, h
 
 
@@ -178,17 +178,8 @@ def test_corrupted_protobuf_bodies_never_get_a_5xx(env, data):
     loss = data.draw(st.sampled_from(["cross_entropy", "stable_reinforce", "ppo"]))
     req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=[d], loss_fn=loss),
                                        model_id=model, seq_id=data.draw(st.integers(1, 50)))
-    body = bytearray(forward_backward_request_to_proto(req).SerializeToString())
-    for _ in range(data.draw(st.integers(1, 4))):
-        i = data.draw(st.integers(0, len(body) - 1))
-        action = data.draw(st.sampled_from(["set", "insert", "cut"]))
-        if action == "set":
-            body[i] = data.draw(st.integers(0, 255))
-        elif action == "insert":
-            body[i:i] = data.draw(st.binary(min_size=1, max_size=8))
-        elif len(body) > 1:
-            del body[i]
-    r = _post_proto(client, alice, bytes(body))
+    body = corrupted(forward_backward_request_to_proto(req).SerializeToString(), data, at_least=1)
+    r = _post_proto(client, alice, body)
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code >= 400:
         assert r.json().get("detail"), r.text

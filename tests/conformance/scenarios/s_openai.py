@@ -99,6 +99,11 @@ try:
     raise AssertionError("a bad key must be a 401")
 except openai.AuthenticationError:
     pass
+try:
+    oai.completions.create(model=QWEN3, prompt=["x"] * 65, max_tokens=1)
+    raise AssertionError("65 prompts in one request must be refused")
+except openai.BadRequestError as e:
+    assert "at most 64" in e.body["message"], e.body
 for bad in ({"presence_penalty": 1.0}, {"temperature": 5}, {"n": 0}):
     try:
         oai.completions.create(model=QWEN3, prompt="x", max_tokens=2, **bad)

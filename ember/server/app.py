@@ -120,6 +120,20 @@ class BodyLimit:
                 await _send_json(send, 413, f"request body exceeds the limit of {self.limit} bytes")
 
 
+class TextOnly:
+    """ASGI middleware: a path or query string that holds a NUL character (``%00``) is a 400: no
+    route takes one, and the store could not look it up (PostgreSQL's text refuses NUL)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        query = scope.get("query_string", b"") if scope["type"] == "http" else b""
+        if scope["type"] == "http" and ("\x00" in scope.get("path", "") or b"%00" in query or b"\x00" in query):
+            return await _send_json(send, 400, "the URL holds a NUL character (%00), which no path or parameter may carry")
+        return await self.app(scope, receive, send)
+
+
 class AccessLog:
     """ASGI middleware: one structured log line and the Prometheus counters per request."""
 
@@ -302,4 +316,5 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     app.add_middleware(HotRoutes, api=app, routes=hot_routes())
     app.add_middleware(AccessLog)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes, own_limit=("/api/v1/forward_backward",))
+    app.add_middleware(TextOnly)
     return app

@@ -14,7 +14,7 @@ HUGE = [10**30, 2**63, 2**64 + 1, -(2**63) - 1]
 JSON_LEAVES = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),
     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
-    st.sampled_from(["\ud800", "a\udfffb", "", "tml-x", "tinker://a/weights/b", "s:train:0"]),
+    st.sampled_from(["\ud800", "a\udfffb", "a\x00b", "", "tml-x", "tinker://a/weights/b", "s:train:0"]),
 )
 JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)

@@ -12,6 +12,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tinker import types
 
 from ember.server.wire import schemas
 from tests.reliability.bodies import HOSTILE, HUGE, JSON_VALUES, corrupted, mutated, paths, templates
@@ -92,6 +93,27 @@ def test_lone_surrogates_are_refused_before_the_store(env):
     assert post(client, alice, "/api/v1/optim_step", {"model_id": "\ud800", "seq_id": 2}).status_code == 400
 
 
+def test_nul_characters_are_refused_before_the_store(env):
+    """PostgreSQL's text refuses NUL: found by the corrupted-protobuf property test on PostgreSQL
+    (a model_id holding ``\x00`` was a 500 there, not on SQLite)."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    client, _, alice, _, session, model, _ = env
+    assert "model_id" in _detail(post(client, alice, "/api/v1/get_info", {"model_id": "a\x00b"}))
+    assert "NUL" in _detail(post(client, alice, "/api/v1/create_session", {"user_metadata": {"k": "\x00"}}))
+    assert post(client, alice, "/api/v1/optim_step", {"model_id": "a\x00", "seq_id": 2}).status_code == 400
+    d = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]})
+    for model_id in (f"{model}\x00", "\x00"):
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=[d], loss_fn="cross_entropy"),
+                                           model_id=model_id, seq_id=1)
+        assert "NUL" in _detail(_post_proto(client, alice, forward_backward_request_to_proto(req).SerializeToString()))
+    for url in ("/api/v1/training_runs/a%00b", "/api/v1/sessions/%00", "/api/v1/checkpoints?limit=1&x=%00",
+                f"/console/api/checkpoint_files?path=tinker://{model}/weights/a%00"):
+        assert "NUL" in _detail(client.get(url, headers=h(alice))), url
+    r = post(client, alice, "/api/v1/sessions/search", {})
+    assert r.status_code == 200 and [s["session_id"] for s in r.json()["sessions"]] == [session]
+
+
 @pytest.mark.parametrize("bad", [["x"], {"a": 1}, 5, None])
 def test_custom_loss_graphs_of_the_wrong_shape_are_a_400(env, bad):
     client, _, alice, _, session, _, _ = env
@@ -166,7 +188,6 @@ def test_generated_bodies_never_get_a_5xx(env, data):
 def test_corrupted_protobuf_bodies_never_get_a_5xx(env, data):
     """SDK-encoded forward_backward bodies (cross_entropy and stable_reinforce with provenance)
     with bytes overwritten, inserted or cut: a 4xx with a detail, or accepted; never a 5xx."""
-    from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
     client, _, alice, _, _, model, _ = env

@@ -42,11 +42,22 @@ def check_wire_value(value: Any, where: str, depth: int = 0) -> None:
             check_wire_value(item, f"{where}.{key}", depth + 1)
 
 
-def _check_text(text: str, where: str) -> None:
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be stored as text (None if it can): a lone surrogate such as
+    ``"\ud800"`` (not UTF-8), or a NUL character, which PostgreSQL's text columns refuse."""
+    if "\x00" in text:
+        return "holds a NUL character (\\u0000), which no text field may carry"
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise _wire_error(f"{where}: not valid UTF-8 text (it holds a lone surrogate such as \\ud800)") from None
+        return "not valid UTF-8 text (it holds a lone surrogate such as \\ud800)"
+    return None
+
+
+def _check_text(text: str, where: str) -> None:
+    problem = text_problem(text)
+    if problem is not None:
+        raise _wire_error(f"{where}: {problem}")
 
 
 def _short(n: int) -> str:

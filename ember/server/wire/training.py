@@ -11,6 +11,7 @@ import numpy as np
 
 from ember.lossdefs import LOSS_SPECS, LossSpec, resolve_loss_config
 from ember.server.wire import tinker_proto as pb
+from ember.server.wire.schemas import text_problem
 
 FLOAT_INPUTS = ("weights", "logprobs", "advantages", "clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask")
 _NP_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32, pb.DTYPE_BFLOAT16: np.uint16}
@@ -88,6 +89,8 @@ def leading_ids(prefix: bytes) -> tuple[str, int] | None:
                 if i + n > len(prefix):
                     return None
                 model_id, i = prefix[i : i + n].decode(), i + n
+                if text_problem(model_id) is not None:
+                    return None
             elif tag == (2 << 3) | 0:  # seq_id: varint
                 seq_id, i = _varint(prefix, i)
             else:
@@ -106,6 +109,8 @@ def parse_forward_backward(body: bytes) -> object:
         msg.ParseFromString(body)
     except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
         raise WireError(f"malformed protobuf ForwardBackwardRequest: {e}") from None
+    if (problem := text_problem(msg.model_id)) is not None:
+        raise WireError(f"model_id {problem}")
     return msg
 
 
@@ -163,6 +168,8 @@ def custom_loss_id(msg) -> str | None:
     loss_id = _loss_config(msg).get("loss_id")
     if not isinstance(loss_id, str) or not loss_id:
         raise WireError("loss_fn 'custom' needs loss_fn_config_v2 {'loss_id': <text>} from create_custom_loss")
+    if (problem := text_problem(loss_id)) is not None:
+        raise WireError(f"loss_fn_config_v2.loss_id {problem}")
     return loss_id
 
 

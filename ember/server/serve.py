@@ -61,7 +61,9 @@ def run(config: ServerConfig, host: str, port: int, engine: EngineOptions | None
     try:
         app = create_app(config, store)
         log.info("serving", extra={"host": host, "port": port, "models": sorted(config.models),
-                                   "auth": config.auth, "storage": config.storage})
+                                   "auth": config.auth, "storage": config.storage,
+                                   "console": f"http://{host}:{port}/console",
+                                   "openai": f"http://{host}:{port}/oai/api/v1"})
         uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=5)
     finally:
         if supervisor is not None:

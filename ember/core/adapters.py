@@ -79,6 +79,8 @@ class Adapter:
         self.layout = layout
         self.flat = flat.requires_grad_()
         self._sizes = [math.prod(shape) for _, a, b in layout for shape in (a, b)]
+        # dense factors come first in the flat vector, expert factors (``[E, r, in]``) after them
+        self.dense_numel = sum(math.prod(a) + math.prod(b) for _, a, b in layout if len(a) == 2)
         self.weights = self._views(flat.detach())
         self.optimizer = AdapterOptimizer([self.flat])
         # modules whose rank is below config.rank (normalize_moe_lora experts) use scale
@@ -206,19 +208,28 @@ class AdapterBank:
         return moe.top_k
 
     def _new_flat(self, config: LoraConfig) -> tuple[list, torch.Tensor]:
+        """Fresh factors, laid out with every dense factor before the expert ones (a sharded
+        engine reduces the two parts over different ranks). ``A`` of sharded experts is drawn for
+        all experts and sliced, so every layout starts from the same adapter."""
         gen = torch.Generator().manual_seed(config.seed)
         top_k = self._expert_top_k(config)
-        layout, parts = [], []
+        dense, expert = [], []
         for t in self.targets:
             if t.category not in config.targets:
                 continue
             rank = config.rank // top_k if top_k and t.num_experts else config.rank
             a_shape, b_shape = _factor_shapes(t, rank)
+            drawn = a_shape if t.num_experts is None else (t.global_experts or t.num_experts, *a_shape[1:])
             bound = 1.0 / math.sqrt(t.in_features)
-            parts.append(((torch.rand(a_shape, generator=gen) * 2 - 1) * bound).reshape(-1))
-            parts.append(torch.zeros(math.prod(b_shape)))
-            layout.append((t.name, a_shape, b_shape))
-        return layout, torch.cat(parts).to(self.device)
+            A = (torch.rand(drawn, generator=gen) * 2 - 1) * bound
+            if t.num_experts is not None:
+                A = A[t.expert_start : t.expert_start + t.num_experts]
+            (dense if t.num_experts is None else expert).append(
+                ((t.name, a_shape, b_shape), [A.reshape(-1), torch.zeros(math.prod(b_shape))])
+            )
+        layout = [entry for entry, _ in dense + expert]
+        flat = torch.cat([p for _, parts in dense + expert for p in parts])
+        return layout, flat.to(self.device)
 
     def free_slots(self) -> list[int]:
         return [s for s in range(1, self.max_adapters + 1) if s not in self._adapters]
@@ -277,21 +288,34 @@ class AdapterBank:
     def __len__(self) -> int:
         return len(self._adapters)
 
-    def route(self, groups: list[tuple[object, int, int]], dtype: torch.dtype | None = None) -> LoraRoute | None:
+    def route(
+        self, groups: list[tuple[object, int, int]], dtype: torch.dtype | None = None, step_keys: list | None = None
+    ) -> LoraRoute | None:
         """The LoRA route of a packed batch whose ``(key, start, end)`` runs are ``groups``; a key is
         a slot, or ``(slot, trainable)`` where ``trainable=False`` detaches the adapter's factors.
         Factors are cast once per adapter to ``dtype`` (default: the model's). ``None`` when every
-        token uses the base model."""
+        token uses the base model.
+
+        ``step_keys`` (expert parallelism): the keys of the whole step, in the same order on every
+        rank; MoE experts then group rows by them (:attr:`LoraRoute.expert_adapters`), and the
+        route is ``None`` only when no rank's token uses an adapter."""
         dtype = dtype or self.dtype
         views: dict[tuple[int, bool], AdapterView] = {}
-        token_groups = []
-        for key, a, b in groups:
+
+        def view(key) -> AdapterView | None:
             slot, trainable = key if isinstance(key, tuple) else (key, True)
-            adapter = None
-            if slot:
-                if (slot, trainable) not in views:
-                    views[(slot, trainable)] = self.get(slot).view(dtype, trainable)
-                adapter = views[(slot, trainable)]
-            token_groups.append(TokenGroup(adapter, a, b))
-        route = LoraRoute(token_groups, self.device)
+            if not slot:
+                return None
+            if (slot, trainable) not in views:
+                views[(slot, trainable)] = self.get(slot).view(dtype, trainable)
+            return views[(slot, trainable)]
+
+        route = LoraRoute([TokenGroup(view(key), a, b) for key, a, b in groups], self.device)
+        if step_keys is not None:
+            index = {key: i for i, key in enumerate(step_keys)}
+            route.expert_adapters = [view(key) for key in step_keys]
+            route.expert_group = torch.repeat_interleave(
+                torch.tensor([index[key] for key, _, _ in groups], dtype=torch.long),
+                torch.tensor([b - a for _, a, b in groups], dtype=torch.long),
+            ).to(self.device)
         return route if route.adapted else None

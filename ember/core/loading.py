@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 from ember.core import quant
 from ember.core.config import ModelConfig, load_config
+from ember.core.layers.moe import Experts
 from ember.core.layers.norms import RMSNorm
 from ember.core.models import CausalLM, model_class
 
@@ -102,15 +104,41 @@ def _materialise(model: CausalLM, device: torch.device, dtype: torch.dtype) -> N
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
+def _expert_blocks(model: CausalLM) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (first expert, count)}`` of expert stacks that hold only a block of their
+    layer's experts (sharded by :mod:`ember.dist` before loading)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Experts) and mod.num_experts != mod.global_experts:
+            for p in ("gate_up_proj", "down_proj"):
+                out[f"{name}.{p}"] = (mod.expert_start, mod.num_experts)
+    return out
+
+
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    parallelize: Callable[[CausalLM], object] | None = None,
 ) -> CausalLM:
-    """Load a model folder onto ``device`` with weights in ``dtype``."""
+    """Load a model folder onto ``device`` with weights in ``dtype``.
+
+    ``parallelize`` shards the model (still on the meta device) before anything is read, so a
+    process reads only the weights it holds (its block of experts under expert parallelism)."""
     device = torch.device(device)
     cfg = load_config(model_dir)
     model = build_empty(cfg)
+    if parallelize is not None:
+        parallelize(model)
     _materialise(model, device, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
+    blocks = _expert_blocks(model)
+
+    def block(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name not in blocks:
+            return t
+        start, n = blocks[name]
+        return t[start : start + n]
     filled: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
@@ -124,7 +152,7 @@ def load_model(
             if mapped is not None and mapped[0] in params:
                 name, convert = mapped
                 t = reader.get(key)
-                _fill(params[name], convert(t) if convert is not None else t, key)
+                _fill(params[name], block(name, convert(t) if convert is not None else t), key)
                 filled.add(name)
             continue
         stored = key
@@ -136,12 +164,14 @@ def load_model(
             continue
         m = _EXPERT_KEY.match(key)
         if m:
-            # experts of layers the model does not build (e.g. MTP layers) are not read
-            if f"{m['prefix']}.gate_up_proj" in params:
-                experts[m["prefix"]][int(m["e"])][m["proj"]] = reader.get(stored)
+            # experts of layers the model does not build (e.g. MTP layers), or of other ranks, are not read
+            name, e = f"{m['prefix']}.gate_up_proj", int(m["e"])
+            start, n = blocks.get(name, (0, None))
+            if name in params and start <= e and (n is None or e < start + n):
+                experts[m["prefix"]][e - start][m["proj"]] = reader.get(stored)
             continue
         if key in params:
-            _fill(params[key], reader.get(stored), stored)
+            _fill(params[key], block(key, reader.get(stored)), stored)
             filled.add(key)
     for name, parts in shards.items():
         row = 0
@@ -159,7 +189,9 @@ def load_model(
             continue
         n = gate_up.shape[0]
         if sorted(per_expert) != list(range(n)):
-            raise ValueError(f"{prefix}: checkpoint has experts {sorted(per_expert)[:5]}…, model expects {n}")
+            start = blocks.get(f"{prefix}.gate_up_proj", (0, n))[0]
+            have = [e + start for e in sorted(per_expert)][:5]
+            raise ValueError(f"{prefix}: checkpoint has experts {have}…, this process expects {start}..{start + n - 1}")
         inter = gate_up.shape[1] // 2
         for e, t in per_expert.items():
             missing = {"gate_proj", "up_proj", "down_proj"} - set(t)

@@ -8,6 +8,7 @@ calls until ``step`` (which clips, updates and clears them).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,23 @@ class AdapterOptimizer:
         """Whether any gradient has accumulated since the last step."""
         return any(p.grad is not None for p in self.params)
 
-    def step(self, hp: AdamParams) -> dict[str, float]:
-        """Clip (if asked), update, clear gradients; returns ``grad_norm`` (before clipping)."""
+    def step(self, hp: AdamParams, grad_norm: Callable[[], torch.Tensor] | None = None) -> dict[str, float]:
+        """Clip (if asked), update, clear gradients; returns ``grad_norm`` (before clipping).
+
+        ``grad_norm`` computes the norm when the parameters are shards of a larger adapter (the
+        norm of the whole adapter, from every rank); clipping then scales by it as
+        ``clip_grad_norm_`` does."""
         hp.validate()
         for group in self.opt.param_groups:
             group.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
         with_grad = [p for p in self.params if p.grad is not None]
-        if with_grad:
-            max_norm = hp.grad_clip_norm if hp.grad_clip_norm > 0 else float("inf")
+        max_norm = hp.grad_clip_norm if hp.grad_clip_norm > 0 else float("inf")
+        if with_grad and grad_norm is not None:
+            total = grad_norm()
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad for p in with_grad], coef.to(with_grad[0].grad.device))
+            norm = float(total)
+        elif with_grad:
             norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
         else:
             norm = 0.0

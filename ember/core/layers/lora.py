@@ -105,10 +105,18 @@ def _pad_rank(w: LoraWeights, rank: int, dtype: torch.dtype) -> tuple[torch.Tens
 
 @dataclass
 class LoraRoute:
-    """Which adapter each token of a packed batch uses, and the corrections that follow from it."""
+    """Which adapter each token of a packed batch uses, and the corrections that follow from it.
+
+    MoE experts group their rows by (expert, adapter group). In one process those groups are the
+    batch's own (``groups``). Under expert parallelism a rank also runs other ranks' rows through
+    its experts, so every rank must agree on the step's groups: ``expert_adapters`` lists them (the
+    same on every rank) and ``expert_group`` gives each local token's index in that list.
+    """
 
     groups: list[TokenGroup]
     device: torch.device
+    expert_adapters: list[AdapterWeights | None] | None = None
+    expert_group: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -121,8 +129,19 @@ class LoraRoute:
 
     @property
     def adapted(self) -> bool:
-        """Whether any token uses an adapter."""
-        return any(g.adapter is not None for g in self.groups)
+        """Whether any token (of any rank, under expert parallelism) uses an adapter."""
+        return any(a is not None for a in self.moe_adapters)
+
+    @property
+    def moe_adapters(self) -> list[AdapterWeights | None]:
+        """The adapter of each expert row group (``None``: the base model)."""
+        if self.expert_adapters is not None:
+            return self.expert_adapters
+        return [g.adapter for g in self.groups]
+
+    def moe_token_group(self) -> torch.Tensor:
+        """Expert row group of every local token, ``[T]`` (long)."""
+        return self.token_group() if self.expert_group is None else self.expert_group
 
     def token_group(self) -> torch.Tensor:
         """Group index of every token, ``[T]`` (long)."""
@@ -135,13 +154,13 @@ class LoraRoute:
 
     def _group_scales(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(
-            [g.adapter.scale if g.adapter is not None and name in g.adapter.weights else 0.0 for g in self.groups],
+            [a.scale if a is not None and name in a.weights else 0.0 for a in self.moe_adapters],
             dtype=dtype,
             device=self.device,
         )
 
     def _active(self, name: str) -> list[LoraWeights | None]:
-        return [g.adapter.weights.get(name) if g.adapter is not None else None for g in self.groups]
+        return [a.weights.get(name) if a is not None else None for a in self.moe_adapters]
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus module ``name``'s LoRA correction on each adapter's tokens."""
@@ -160,7 +179,8 @@ class LoraRoute:
         self, name: str, row_group: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Stacked expert factors of module ``name`` for rows sorted by (expert, group), with the
-        LoRA scale of every row; ``None`` when no adapter in the batch targets the module.
+        LoRA scale of every row; ``None`` when no adapter in the batch targets the module. Groups
+        are :attr:`moe_adapters`'; ``row_group`` holds each row's group index.
 
         One group: the adapter's own ``A [E, r, in]``, ``B [E, out, r]`` (grouped by expert). Several:
         ``[E·G, R, in]`` / ``[E·G, out, R]`` over (expert, group) pairs, ranks padded to the largest
@@ -170,7 +190,8 @@ class LoraRoute:
         if not present:
             return None
         scales = self._group_scales(name, dtype)[row_group]
-        if len(self.groups) == 1:
+        G = len(active)
+        if G == 1:
             return present[0].A.to(dtype), present[0].B.to(dtype), scales
         rank = max(w.rank for w in present)
         ref = present[0]
@@ -184,7 +205,6 @@ class LoraRoute:
                 A, B = _pad_rank(w, rank, dtype)
                 As.append(A)
                 Bs.append(B)
-        G = len(self.groups)
         A_pairs = torch.stack(As, dim=1).reshape(num_experts * G, rank, -1)
         B_pairs = torch.stack(Bs, dim=1).reshape(num_experts * G, -1, rank)
         return A_pairs, B_pairs, scales

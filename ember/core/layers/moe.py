@@ -151,17 +151,54 @@ class _ExpertProjection(torch.autograd.Function):
         return gx, None, g_scale, gW, None, None, None, gA, gB
 
 
+@dataclass
+class ExpertRows:
+    """The (token, k) rows of an MoE layer sorted by (expert, adapter group).
+
+    ``token``/``weight``/``group``: each sorted row's token, routing weight and adapter group;
+    ``key``: its ``expert * groups + group``; ``groups``: the number of adapter groups."""
+
+    token: torch.Tensor
+    weight: torch.Tensor
+    group: torch.Tensor
+    key: torch.Tensor
+    groups: int
+
+    @staticmethod
+    def sort(routing: Routing, lora: LoraRoute | None) -> ExpertRows:
+        T, k = routing.experts.shape
+        flat_expert = routing.experts.reshape(-1)
+        flat_token = torch.arange(T, device=flat_expert.device).repeat_interleave(k)
+        groups = len(lora.moe_adapters) if lora is not None else 1
+        if groups > 1:
+            row_group = lora.moe_token_group()[flat_token]
+            key = flat_expert * groups + row_group
+        else:
+            row_group = torch.zeros_like(flat_expert)
+            key = flat_expert
+        order = torch.argsort(key, stable=True)
+        return ExpertRows(flat_token[order], routing.weights.reshape(-1)[order], row_group[order], key[order], groups)
+
+
 class Experts(nn.Module):
     """Stacked gated experts (SwiGLU by default), run as grouped products.
 
     Families change the gate activation by overriding :meth:`activation`, and may sum the top-k
-    outputs in fp32 (``accumulate_fp32``) where their reference does."""
+    outputs in fp32 (``accumulate_fp32``) where their reference does.
+
+    ``dispatch`` (default ``None``: every expert is here) is set from outside when the experts are
+    sharded across processes (:mod:`ember.dist.expert_parallel`); the module then holds experts
+    ``expert_start ..`` ``+ num_experts`` of ``global_experts``, and ``dispatch(self, x, routing,
+    lora)`` moves rows to their experts' ranks, runs :meth:`compute` there and brings them back."""
 
     accumulate_fp32 = False
+    dispatch = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
+        self.global_experts = num_experts
+        self.expert_start = 0
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         self.lora_name = ""
@@ -177,39 +214,44 @@ class Experts(nn.Module):
         return silu_mul(gate, up)
 
     def forward(self, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
-        T = x.shape[0]
-        k = routing.experts.shape[1]
-        flat_expert = routing.experts.reshape(-1)
-        flat_token = torch.arange(T, device=x.device).repeat_interleave(k)
-        groups = len(lora.groups) if lora is not None else 1
-        if groups > 1:
-            row_group = lora.token_group()[flat_token]
-            key = flat_expert * groups + row_group
-        else:
-            row_group = torch.zeros_like(flat_expert)
-            key = flat_expert
-        order = torch.argsort(key, stable=True)
-        token = flat_token[order]
-        row_group = row_group[order]
-        expert_offsets = offsets_from_sizes(torch.bincount(flat_expert, minlength=self.num_experts), x.device)
-        pair_offsets = expert_offsets
-        if groups > 1:
-            pair_offsets = offsets_from_sizes(torch.bincount(key, minlength=self.num_experts * groups), x.device)
+        if self.dispatch is not None:
+            return self.dispatch(self, x, routing, lora)
+        rows = ExpertRows.sort(routing, lora)
+        out = self.compute(x, rows.token, rows.weight, rows.key, rows.group, rows.groups, lora)
+        return self.combine(x, rows.token, out)
 
-        def project(inp, rows, in_scale, weight, suffix):
+    def compute(
+        self,
+        x: torch.Tensor,
+        rows: torch.Tensor | None,
+        weight: torch.Tensor,
+        key: torch.Tensor,
+        group: torch.Tensor,
+        groups: int,
+        lora: LoraRoute | None,
+    ) -> torch.Tensor:
+        """The weighted expert outputs of rows sorted by ``key`` = ``local expert * groups +
+        group``: row ``i`` is ``x[rows[i]]`` (``rows`` None: ``x`` itself), scaled by ``weight[i]``."""
+        E = self.num_experts
+        pair_sizes = torch.bincount(key, minlength=E * groups)
+        expert_offsets = offsets_from_sizes(pair_sizes.view(E, groups).sum(1), x.device)
+        lora_offsets = expert_offsets if groups == 1 else offsets_from_sizes(pair_sizes, x.device)
+
+        def project(inp, rows, in_scale, w, suffix):
             factors = None
             if lora is not None:
-                factors = lora.expert_factors(f"{self.lora_name}.{suffix}", row_group, inp.dtype)
+                factors = lora.expert_factors(f"{self.lora_name}.{suffix}", group, inp.dtype)
             if factors is None:
-                return _ExpertProjection.apply(inp, rows, in_scale, weight, expert_offsets, None, None, None, None)
+                return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, None, None, None, None)
             A, B, scale_rows = factors
-            lora_offsets = expert_offsets if groups == 1 else pair_offsets
-            return _ExpertProjection.apply(inp, rows, in_scale, weight, expert_offsets, lora_offsets, scale_rows, A, B)
+            return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, lora_offsets, scale_rows, A, B)
 
-        gate, up = project(x, token, None, self.gate_up_proj, "gate_up_proj").chunk(2, dim=-1)
-        weights = routing.weights.reshape(-1)[order]
+        gate, up = project(x, rows, None, self.gate_up_proj, "gate_up_proj").chunk(2, dim=-1)
         # the routing weight scales the down projection's input rows (same result: it is linear)
-        out = project(self.activation(gate, up), None, weights, self.down_proj, "down_proj")
+        return project(self.activation(gate, up), None, weight, self.down_proj, "down_proj")
+
+    def combine(self, x: torch.Tensor, token: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Sum each token's rows of ``out`` (row ``i`` belongs to token ``token[i]``)."""
         if self.accumulate_fp32:
             return x.new_zeros(x.shape, dtype=torch.float32).index_add_(0, token, out.float()).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)

@@ -65,13 +65,16 @@ class ForwardContext:
 
 @dataclass(frozen=True)
 class LoraTarget:
-    """An adaptable weight: a linear layer, or a stack of ``num_experts`` expert matrices."""
+    """An adaptable weight: a linear layer, or a stack of ``num_experts`` expert matrices (experts
+    ``expert_start ..`` of ``global_experts`` when they are sharded across processes)."""
 
     name: str
     category: str  # attn | mlp | unembed
     in_features: int
     out_features: int
     num_experts: int | None = None
+    expert_start: int = 0
+    global_experts: int | None = None
 
 
 class CausalLM(nn.Module):
@@ -125,5 +128,10 @@ class CausalLM(nn.Module):
                 out.append(LoraTarget(mod.lora_name, mod.category, mod.in_features, mod.out_features))
             elif isinstance(mod, Experts):
                 for suffix, (i, o) in mod.lora_shapes().items():
-                    out.append(LoraTarget(f"{mod.lora_name}.{suffix}", mod.category, i, o, mod.num_experts))
+                    out.append(
+                        LoraTarget(
+                            f"{mod.lora_name}.{suffix}", mod.category, i, o, mod.num_experts,
+                            mod.expert_start, mod.global_experts,
+                        )
+                    )
         return out

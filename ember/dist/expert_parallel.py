@@ -1,0 +1,116 @@
+"""Expert parallelism: each rank holds a contiguous block of every MoE layer's experts.
+
+:func:`shard_experts` narrows each :class:`~ember.core.layers.moe.Experts` module to this rank's
+block (on the meta device before loading, so a rank only ever reads its own experts) and sets its
+``dispatch``. The router, routing replay (R3) and the routing record stay on the rank that holds
+the token; only (token, k) rows travel.
+
+Two dispatchers, chosen per pass (:attr:`ExpertParallel.mode`):
+
+* ``"all_to_all"`` (training, prefill): rows go to their expert's rank and back through
+  autograd-aware all-to-alls (torchtitan's ``_token_dispatch``/``_token_combine``). Ranks first
+  exchange a count matrix over (local expert, adapter group), so the receiver knows every
+  segment and no per-row adapter ids travel; it costs one device→host copy of the counts.
+* ``"gather"`` (decode): every rank's rows are all-gathered, each rank runs its own experts on
+  the rows routed to them (the others get weight 0) and a reduce-scatter returns each rank's
+  tokens. Shapes are static and nothing is read back to the host, so a decode step can be captured
+  in a CUDA graph; every rank must hold the same number of tokens.
+
+Every rank enters every MoE layer's collectives in the same order, also with no rows for it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ember.core.layers.lora import LoraRoute
+from ember.core.layers.moe import ExpertRows, Experts, Routing
+from ember.dist import comm
+from ember.dist.mesh import Parallel
+
+
+class ExpertParallel:
+    """The ``dispatch`` of sharded :class:`Experts` modules (one instance shared by all layers)."""
+
+    def __init__(self, parallel: Parallel):
+        self.group = parallel.ep_group
+        self.ep = parallel.layout.ep
+        self.mode = "all_to_all"
+
+    def __call__(self, experts: Experts, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
+        if self.mode == "gather":
+            return self._gather(experts, x, routing, lora)
+        return self._all_to_all(experts, x, routing, lora)
+
+    def _all_to_all(self, experts, x, routing, lora):
+        rows = ExpertRows.sort(routing, lora)
+        G, local = rows.groups, experts.num_experts * rows.groups
+        # rows are sorted by expert, so each destination rank's rows are contiguous
+        counts = torch.bincount(rows.key, minlength=experts.global_experts * G).view(self.ep, local)
+        received = comm.exchange_counts(counts, self.group)
+        sizes = torch.stack([counts.sum(1), received.sum(1)]).tolist()
+        send, recv = sizes
+        got_x = comm.all_to_all(x[rows.token], recv, send, self.group)
+        got_w = comm.all_to_all(rows.weight[:, None], recv, send, self.group)[:, 0]
+        # received rows run (source rank, local expert, group); the experts want (expert, group, source)
+        segment = torch.arange(local, device=x.device).repeat(self.ep).repeat_interleave(received.reshape(-1))
+        perm = torch.argsort(segment, stable=True)
+        key = segment[perm]
+        out = experts.compute(got_x, perm, got_w[perm], key, key % G, G, lora)
+        back = comm.all_to_all(out[torch.argsort(perm)], send, recv, self.group)
+        return experts.combine(x, rows.token, back)
+
+    def _gather(self, experts, x, routing, lora):
+        T = x.shape[0]
+        G = len(lora.moe_adapters) if lora is not None else 1
+        group = lora.moe_token_group() if lora is not None else torch.zeros(T, dtype=torch.long, device=x.device)
+        all_x = comm.all_gather(x, self.group)
+        experts_ids = comm.all_gather(routing.experts, self.group)
+        weights = comm.all_gather(routing.weights, self.group)
+        groups = comm.all_gather(group, self.group)
+        local = experts_ids - experts.expert_start
+        mine = (local >= 0) & (local < experts.num_experts)
+        # rows for other ranks' experts ride along with the last local expert at weight 0
+        local = torch.where(mine, local, experts.num_experts - 1)
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        k = local.shape[1]
+        row_group = groups.repeat_interleave(k)
+        key = local.reshape(-1) * G + row_group
+        order = torch.argsort(key, stable=True)
+        token = torch.arange(all_x.shape[0], device=x.device).repeat_interleave(k)[order]
+        out = experts.compute(all_x, token, weights.reshape(-1)[order], key[order], row_group[order], G, lora)
+        partial = experts.combine(all_x, token, out)
+        return comm.reduce_scatter(partial, self.group)
+
+
+def shard_experts(model: nn.Module, parallel: Parallel) -> int:
+    """Narrow every :class:`Experts` module of ``model`` to this rank's block, in place, and route
+    its rows through one :class:`ExpertParallel`; returns the number of sharded modules. Works on
+    meta-device models (before loading) and on loaded ones (the other experts are dropped)."""
+    ep = parallel.layout.ep
+    dispatch = ExpertParallel(parallel)
+    sharded = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, Experts):
+            continue
+        total = mod.num_experts
+        if total % ep:
+            raise ValueError(f"--ep {ep} must divide the number of experts of every MoE layer ({name}: {total})")
+        start, end = parallel.layout.expert_range(total)
+        for pname in ("gate_up_proj", "down_proj"):
+            p = getattr(mod, pname)
+            setattr(mod, pname, nn.Parameter(p.data[start:end].clone(), requires_grad=False))
+        mod.num_experts, mod.expert_start, mod.global_experts = end - start, start, total
+        mod.dispatch = dispatch
+        sharded += 1
+    return sharded
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    """Pick the dispatcher of every sharded MoE layer: ``all_to_all`` or ``gather`` (decode)."""
+    if mode not in ("all_to_all", "gather"):
+        raise ValueError(f"unknown expert dispatch {mode!r}")
+    for mod in model.modules():
+        if isinstance(mod, Experts) and isinstance(mod.dispatch, ExpertParallel):
+            mod.dispatch.mode = mode

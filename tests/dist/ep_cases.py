@@ -1,0 +1,154 @@
+"""Bodies of the expert-parallel tests, run on every rank (:mod:`tests.dist.launch`).
+
+Each rank loads its block of experts, runs its share of a batch that mixes adapters, and checks
+against the single-process model, which every rank also builds (fp32, tolerance 1e-5)."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.core.adapters import AdapterBank, LoraConfig
+from ember.core.batch import pack
+from ember.core.layers.attention import PackedAttention
+from ember.core.loading import load_model
+from ember.core.logprobs import token_logprobs
+from ember.core.models.base import ForwardContext
+from ember.core.layers.moe import RoutingRecord
+from ember.core.optim import AdamParams
+from ember.dist import adapters as dist_adapters
+from ember.dist import comm
+from ember.dist.expert_parallel import set_mode
+from ember.dist.mesh import Parallel
+from ember.dist.parallelize import parallelize
+from tests.lora_helpers import randomise
+
+CONFIGS = [
+    LoraConfig(rank=4, alpha=8.0, seed=1),
+    LoraConfig(rank=8, alpha=16.0, seed=2, targets=frozenset({"mlp"})),
+    LoraConfig(rank=2, alpha=4.0, seed=3, targets=frozenset({"attn", "mlp", "unembed"})),
+]
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _sequences(vocab: int, n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 24, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (m,), generator=g).tolist() for m in lengths]
+
+
+def _forward(model, bank, seqs, keys, step_keys=None, routing=None):
+    """Per-sequence target logprobs (grad-tracking) of ``seqs`` packed by ``keys``."""
+    batch = pack([s[:-1] for s in seqs], keys, "cpu") if seqs else None
+    if batch is None:  # a rank with no sequences still enters every collective
+        batch = pack([[0]], [keys and keys[0] or 0], "cpu")
+    attention = PackedAttention(batch.doc_lengths, torch.device("cpu"))
+    ctx = ForwardContext(
+        positions=batch.positions,
+        attend=lambda layer, q, k, v, spec, scale: attention(q, k, v, spec, scale),
+        lora=bank.route(batch.groups, step_keys=step_keys),
+        seq_lens=batch.doc_lengths,
+        routing=routing(batch) if routing else None,
+    )
+    hidden = model.hidden_states(batch.input_ids, ctx)
+    targets = batch.gather([torch.tensor(s[1:]) for s in seqs]) if seqs else torch.zeros(1, dtype=torch.long)
+    lp = token_logprobs(hidden, model.unembed_weight, targets, lora=ctx.lora, softcap=model.final_logit_softcap)
+    return lp, batch
+
+
+def _loss(per_seq: list[torch.Tensor]) -> torch.Tensor:
+    return sum(lp.sum() * (1 + i % 3) for i, lp in enumerate(per_seq))
+
+
+def expert_parallel_step(rank: int, world: int, model_dir: str, ep: int, replay_first_experts: bool = False):
+    """Logprobs, LoRA gradients (mixed adapters, a forward-only one, the base model), one clipped
+    AdamW step and the gathered checkpoint tensors equal one process's; then a decode-style pass
+    through the all-gather dispatcher equals the all-to-all one."""
+    ref = load_model(model_dir, "cpu", torch.float32)
+    ref_bank = AdapterBank(ref, max_adapters=4, max_rank=16)
+    slots = [ref_bank.create(c).slot for c in CONFIGS]
+    for i, s in enumerate(slots):
+        randomise(ref_bank.get(s), seed=10 + i, scale=0.05)
+
+    par = Parallel(ep)
+    model = load_model(model_dir, "cpu", torch.float32, parallelize=lambda m: parallelize(m, par))
+    bank = AdapterBank(model, max_adapters=4, max_rank=16)
+    for c, s in zip(CONFIGS, slots):
+        a = bank.create(c)
+        assert a.slot == s
+        with torch.no_grad():
+            for name, t in dist_adapters.local_tensors(ref_bank.get(s).tensors(), par).items():
+                a.tensors()[name].copy_(t)
+
+    vocab = model.config.vocab_size
+    seqs = _sequences(vocab, 9, seed=5)
+    # slots 1-3 train, slot 2 also appears forward-only, slot 0 is the base model
+    keys = [(s, True) for s in (1, 2, 3, 1, 3)] + [(2, False), (0, False), (0, False), (1, True)]
+    step_keys = sorted(set(keys))
+    routing = None
+    if replay_first_experts:
+        # R3 replay of experts 0..k-1 everywhere: every row goes to rank 0's experts, the other
+        # ranks of the expert group receive none
+        k = next(iter(ref.moe_routers().values())).top_k
+        layers = sorted(ref.moe_routers())
+
+        def routing(batch):
+            T = batch.num_tokens
+            fixed = torch.arange(k).expand(T, k)
+            return RoutingRecord(replay={layer: fixed for layer in layers}, record={})
+
+    lp_ref, batch_ref = _forward(ref, ref_bank, seqs, keys, routing=routing)
+    per_ref = batch_ref.split(lp_ref)
+    _loss(per_ref).backward()
+
+    mine = [i for i in range(len(seqs)) if i % world == rank]
+    lp, batch = _forward(model, bank, [seqs[i] for i in mine], [keys[i] for i in mine], step_keys, routing)
+    sizes = [sum(len(seqs[i]) - 1 for i in range(len(seqs)) if i % world == r) for r in range(world)]
+    if not mine:
+        lp = lp[:0]
+    full = comm.gather_rows(lp, sizes, par.world_group)
+    # gathered rows: rank by rank, each rank's sequences in its packed order
+    per_seq, cursor = {}, 0
+    for r in range(world):
+        ids = [i for i in range(len(seqs)) if i % world == r]
+        local_keys = [keys[i] for i in ids]
+        order = sorted(range(len(ids)), key=lambda j: local_keys[j])
+        for j in order:
+            n = len(seqs[ids[j]]) - 1
+            per_seq[ids[j]] = full[cursor : cursor + n]
+            cursor += n
+    per = [per_seq[i] for i in range(len(seqs))]
+    for got, want in zip(per, per_ref):
+        torch.testing.assert_close(got, want, **TOL)
+    _loss(per).backward()
+
+    trained = [bank.get(s) for s in slots]
+    dist_adapters.reduce_gradients(trained, par)
+    for s in slots:
+        got = dist_adapters.full_tensors(bank.get(s).grads(), par)
+        want = ref_bank.get(s).grads()
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert any(".experts." in n for n in ref_bank.get(1).grads())
+
+    hp = AdamParams(learning_rate=1e-2, grad_clip_norm=0.5)
+    for s in slots:
+        want = ref_bank.get(s).optimizer.step(hp)["grad_norm"]
+        got = dist_adapters.optim_step(bank.get(s), hp, par)["grad_norm"]
+        assert abs(got - want) <= 1e-5 * max(1.0, want), (got, want)
+        values = dist_adapters.full_tensors(bank.get(s).tensors(), par)
+        for name, t in ref_bank.get(s).tensors().items():
+            torch.testing.assert_close(values[name], t, **TOL)
+
+    # decode: every rank holds the same number of tokens, dispatched by all-gather + reduce-scatter
+    decode = [seqs[i][:6] for i in mine] or [[1, 2, 3, 4, 5, 6]]
+    decode = (decode * 2)[:2]
+    dkeys = [(1, False), (3, False)]
+    with torch.no_grad():
+        a2a, _ = _forward(model, bank, decode, dkeys, sorted(set(dkeys)))
+        set_mode(model, "gather")
+        gathered, _ = _forward(model, bank, decode, dkeys, sorted(set(dkeys)))
+        set_mode(model, "all_to_all")
+        single, _ = _forward(ref, ref_bank, decode, dkeys)
+    torch.testing.assert_close(gathered, a2a, **TOL)
+    torch.testing.assert_close(gathered, single, **TOL)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ember.core.models.base import CausalLM
 from ember.dist.expert_parallel import shard_experts
 from ember.dist.mesh import Parallel
@@ -13,4 +15,14 @@ def parallelize(model: CausalLM, parallel: Parallel) -> CausalLM:
     only its own weights (:func:`ember.core.loading.load_model`'s ``parallelize``)."""
     if parallel.layout.ep > 1:
         shard_experts(model, parallel)
+        model.model.embed_tokens.register_forward_hook(_track_gradients)
     return model
+
+
+def _track_gradients(module, inputs, out: torch.Tensor) -> torch.Tensor:
+    """Under grad mode, the embedding's output requires grad on every rank. A rank whose own
+    tokens reach no trainable factor before an MoE layer would otherwise leave that layer's
+    all-to-alls out of its backward while the other ranks run them (and wait for it)."""
+    if torch.is_grad_enabled() and not out.requires_grad:
+        out = out.detach().requires_grad_()
+    return out

@@ -294,18 +294,16 @@ class Worker:
                 sequences.append(tokens)
                 keys.append((p.req.slot, not p.req.forward_only))
                 owners.append((p, j))
-        batch = pack(sequences, keys, self.device)
         k_max = max(t.shape[1] if t.dim() == 2 else 1 for p in prepared for t in p.targets)
-        targets = batch.gather([_as_2d(p.targets[j], k_max) for p, j in owners]).to(self.device)
+        targets = [_as_2d(p.targets[j], k_max) for p, j in owners]
         inv_t = None
         if any(p.inv_t for p in prepared):  # stable_reinforce rows read the sampler's temperature
-            inv_t = batch.gather([p.inv_t[j] if p.inv_t else torch.ones(len(p.tokens[j])) for p, j in owners])
-        routing = self._routing(batch, prepared, owners)
+            inv_t = [p.inv_t[j] if p.inv_t else torch.ones(len(p.tokens[j])) for p, j in owners]
+        routes = self._routes(prepared, owners)
         train = any(not p.req.forward_only for p in prepared)
         outputs, total = [], None
         with nullcontext() if train else torch.no_grad():
-            per_seq = batch.split(self.logprobs(batch, targets, inv_t, routing))
-            flips = _flip_counts(batch, routing)
+            per_seq, flips = self._pass(sequences, keys, targets, inv_t, routes)
             cursor = 0
             for p in prepared:
                 lps = [_match(per_seq[cursor + j], t) for j, t in enumerate(p.targets)]
@@ -328,9 +326,36 @@ class Worker:
                 total.backward()
         return outputs
 
-    def _routing(self, batch: PackedBatch, prepared: list[_Prepared], owners) -> RoutingRecord | None:
-        """The pass's R3 routing: the datums' recorded experts, replayed where their request asks
-        (``routing_replay``) and compared with the live router everywhere (route flips)."""
+    def _pass(
+        self,
+        sequences: list[torch.Tensor],
+        keys: list,
+        targets: list[torch.Tensor],
+        inv_t: list[torch.Tensor] | None,
+        routes: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """One packed pass over ``sequences`` (grouped by ``keys``): each sequence's target
+        logprobs (``targets[i]`` ``[n, K]``, rows scaled by ``inv_t[i]``) and, when ``routes``
+        (per sequence: reference and replayed experts ``[n, L, k]``) are given, its route-flip
+        counts (flipped, compared layers per token)."""
+        batch = pack(sequences, keys, self.device)
+        inv = batch.gather(inv_t) if inv_t is not None else None
+        routing = None
+        if routes is not None:
+            layers = sorted(self.model.moe_routers())
+            reference, replay = (batch.gather(r).to(self.device) for r in routes)
+            routing = RoutingRecord(
+                replay={layer: replay[:, i] for i, layer in enumerate(layers)} if (replay >= 0).any() else None,
+                reference={layer: reference[:, i] for i, layer in enumerate(layers)},
+                flips={},
+            )
+        lp = self.logprobs(batch, batch.gather(targets).to(self.device), inv, routing)
+        return batch.split(lp), _flip_counts(batch, routing)
+
+    def _routes(self, prepared: list[_Prepared], owners) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The pass's R3 routing per sequence: the datums' recorded experts (compared with the live
+        router everywhere: route flips), and the experts to replay where the request asks
+        (``routing_replay``); ``-1`` rows route live."""
         if not any(r is not None for p in prepared for r in p.routes):
             return None
         layers = sorted(self.model.moe_routers())
@@ -342,13 +367,7 @@ class Worker:
                 return torch.full((len(p.tokens[j]), len(layers), k), -1, dtype=torch.long)
             return r
 
-        reference = batch.gather([rows(p, j, False) for p, j in owners]).to(self.device)
-        replay = batch.gather([rows(p, j, True) for p, j in owners]).to(self.device)
-        return RoutingRecord(
-            replay={layer: replay[:, i] for i, layer in enumerate(layers)} if (replay >= 0).any() else None,
-            reference={layer: reference[:, i] for i, layer in enumerate(layers)},
-            flips={},
-        )
+        return [rows(p, j, False) for p, j in owners], [rows(p, j, True) for p, j in owners]
 
     def logprobs(
         self,

@@ -59,10 +59,20 @@ def _loss(per_seq: list[torch.Tensor]) -> torch.Tensor:
     return sum(lp.sum() * (1 + i % 3) for i, lp in enumerate(per_seq))
 
 
-def expert_parallel_step(rank: int, world: int, model_dir: str, ep: int, replay_first_experts: bool = False):
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> None:
+    """``|got - want| / |want| <= rtol`` (L2 over the tensor: gradients, whose scale varies)."""
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def expert_parallel_step(
+    rank: int, world: int, model_dir: str, ep: int, replay_first_experts: bool = False, grad_rtol: float = 1e-5
+):
     """Logprobs, LoRA gradients (mixed adapters, a forward-only one, the base model), one clipped
     AdamW step and the gathered checkpoint tensors equal one process's; then a decode-style pass
-    through the all-gather dispatcher equals the all-to-all one."""
+    through the all-gather dispatcher equals the all-to-all one.
+
+    Logprobs and weights: elementwise 1e-5. Gradients: relative L2 error ``grad_rtol``."""
     ref = load_model(model_dir, "cpu", torch.float32)
     ref_bank = AdapterBank(ref, max_adapters=4, max_rank=16)
     slots = [ref_bank.create(c).slot for c in CONFIGS]
@@ -128,7 +138,7 @@ def expert_parallel_step(rank: int, world: int, model_dir: str, ep: int, replay_
         want = ref_bank.get(s).grads()
         assert set(got) == set(want)
         for name in want:
-            torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            _close(got[name], want[name], grad_rtol, name)
     assert any(".experts." in n for n in ref_bank.get(1).grads())
 
     hp = AdamParams(learning_rate=1e-2, grad_clip_norm=0.5)
@@ -141,8 +151,7 @@ def expert_parallel_step(rank: int, world: int, model_dir: str, ep: int, replay_
             torch.testing.assert_close(values[name], t, **TOL)
 
     # decode: every rank holds the same number of tokens, dispatched by all-gather + reduce-scatter
-    decode = [seqs[i][:6] for i in mine] or [[1, 2, 3, 4, 5, 6]]
-    decode = (decode * 2)[:2]
+    decode = [[(7 * rank + j) % vocab for j in range(6)], seqs[0][:3] * 2]
     dkeys = [(1, False), (3, False)]
     with torch.no_grad():
         a2a, _ = _forward(model, bank, decode, dkeys, sorted(set(dkeys)))

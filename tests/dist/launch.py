@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
+import time
 import traceback
 
 import torch
@@ -11,8 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, init: str, fn, args, errors):
+def _entry(rank: int, world: int, init: str, fn, args, errors, timeout):
     torch.set_num_threads(1)
+    # a rank stuck in a collective prints where it is before the launcher kills it
+    faulthandler.dump_traceback_later(max(timeout - 5, 1), exit=False)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -31,11 +35,12 @@ def run(world: int, fn, *args, timeout: float = 300) -> None:
     errors = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_entry, args=(r, world, init, fn, args, errors)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, init, fn, args, errors, timeout)) for r in range(world)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(timeout)
+            p.join(max(deadline - time.monotonic(), 0))
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
             p.kill()

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -103,11 +104,19 @@ def assign_weights(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
                 t.zero_()
 
 
-def load_adapter(bank: AdapterBank, path: str | Path, with_optimizer: bool, slot: int | None = None) -> Adapter:
-    """Create an adapter in ``bank`` from a checkpoint folder, with its Adam state if asked."""
+def load_adapter(
+    bank: AdapterBank,
+    path: str | Path,
+    with_optimizer: bool,
+    slot: int | None = None,
+    select: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> Adapter:
+    """Create an adapter in ``bank`` from a checkpoint folder, with its Adam state if asked.
+    ``select`` picks what this process holds of the saved tensors (its block of experts)."""
+    select = select or (lambda t: t)
     meta = read_metadata(path)
     config = LoraConfig.from_dict(meta["lora"])
-    tensors = load_file(str(Path(path) / "adapter.safetensors"))
+    tensors = select(load_file(str(Path(path) / "adapter.safetensors")))
     adapter = bank.create(config, slot)
     try:
         assign_weights(adapter, tensors)
@@ -115,7 +124,7 @@ def load_adapter(bank: AdapterBank, path: str | Path, with_optimizer: bool, slot
             opt_file = Path(path) / "optimizer.safetensors"
             if not opt_file.is_file():
                 raise ValueError(f"{path} was saved without optimizer state")
-            adapter.load_optimizer_state(load_file(str(opt_file)))
+            adapter.load_optimizer_state(select(load_file(str(opt_file))))
     except Exception:
         bank.free(adapter.slot)
         raise

@@ -199,15 +199,16 @@ def layout_has_patterns(config: dict) -> bool:
     return bool(config.get("rank_pattern"))
 
 
-def import_peft(bank: AdapterBank, path: str | Path, slot: int | None = None) -> Adapter:
-    """Create an adapter in ``bank`` from a PEFT adapter folder (either layout)."""
+def import_peft(bank: AdapterBank, path: str | Path, slot: int | None = None, select=None) -> Adapter:
+    """Create an adapter in ``bank`` from a PEFT adapter folder (either layout); ``select`` picks
+    what this process holds of the factors (its block of experts)."""
     path = Path(path)
     config = json.loads((path / "adapter_config.json").read_text())
     tensors = load_file(str(path / "adapter_model.safetensors"))
     lora, named = peft_to_ember(tensors, config, {t.name: t.category for t in bank.targets})
     adapter = bank.create(lora, slot)
     try:
-        assign_weights(adapter, named)
+        assign_weights(adapter, select(named) if select is not None else named)
     except Exception:
         bank.free(adapter.slot)
         raise

@@ -82,3 +82,19 @@ def local_tensors(values: dict[str, torch.Tensor], parallel: Parallel) -> dict[s
 
 def _is_expert(t: torch.Tensor) -> bool:
     return t.dim() == 3
+
+
+def gathered(adapter: Adapter, parallel: Parallel, with_optimizer: bool = False) -> Adapter:
+    """The whole adapter as one process would hold it (every expert), with its Adam state if
+    asked: what a checkpoint or a PEFT export is written from. Every rank calls it."""
+    full = full_tensors(adapter.tensors(), parallel)
+    layout = [
+        (name, tuple(full[f"{name}.lora_A"].shape), tuple(full[f"{name}.lora_B"].shape)) for name, _, _ in adapter.layout
+    ]
+    flat = torch.cat([full[f"{name}.{f}"].reshape(-1) for name, _, _ in layout for f in ("lora_A", "lora_B")])
+    out = Adapter(adapter.slot, adapter.config, layout, flat.detach().clone())
+    if with_optimizer:
+        state = full_tensors(adapter.optimizer_state(), parallel)
+        if state:
+            out.load_optimizer_state(state)
+    return out

@@ -15,6 +15,8 @@ Two dispatchers, chosen per pass (:attr:`ExpertParallel.mode`):
   the rows routed to them (the others get weight 0) and a reduce-scatter returns each rank's
   tokens. Shapes are static and nothing is read back to the host, so a decode step can be captured
   in a CUDA graph; every rank must hold the same number of tokens.
+* ``"replicated"`` (sampling, where every rank runs the same sequences): each rank runs its own
+  experts on the rows routed to them and an all-reduce sums the shares; static as ``"gather"``.
 
 Every rank enters every MoE layer's collectives in the same order, also with no rows for it.
 """
@@ -41,6 +43,8 @@ class ExpertParallel:
     def __call__(self, experts: Experts, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
         if self.mode == "gather":
             return self._gather(experts, x, routing, lora)
+        if self.mode == "replicated":
+            return self._replicated(experts, x, routing, lora)
         return self._all_to_all(experts, x, routing, lora)
 
     def _all_to_all(self, experts, x, routing, lora):
@@ -62,26 +66,43 @@ class ExpertParallel:
         return experts.combine(x, rows.token, back)
 
     def _gather(self, experts, x, routing, lora):
-        T = x.shape[0]
+        group = _token_group(x, lora)
+        partial = self._local(
+            experts,
+            comm.all_gather(x, self.group),
+            comm.all_gather(routing.experts, self.group),
+            comm.all_gather(routing.weights, self.group),
+            comm.all_gather(group, self.group),
+            lora,
+        )
+        return comm.reduce_scatter(partial, self.group)
+
+    def _replicated(self, experts, x, routing, lora):
+        partial = self._local(experts, x, routing.experts, routing.weights, _token_group(x, lora), lora)
+        return comm.all_reduce_sum_(partial, self.group)
+
+    @staticmethod
+    def _local(experts, x, expert_ids, weights, token_group, lora):
+        """This rank's experts' share of every row of ``x``: rows routed elsewhere ride along
+        with the last local expert at weight 0, so the shapes never depend on the routing."""
         G = len(lora.moe_adapters) if lora is not None else 1
-        group = lora.moe_token_group() if lora is not None else torch.zeros(T, dtype=torch.long, device=x.device)
-        all_x = comm.all_gather(x, self.group)
-        experts_ids = comm.all_gather(routing.experts, self.group)
-        weights = comm.all_gather(routing.weights, self.group)
-        groups = comm.all_gather(group, self.group)
-        local = experts_ids - experts.expert_start
+        local = expert_ids - experts.expert_start
         mine = (local >= 0) & (local < experts.num_experts)
-        # rows for other ranks' experts ride along with the last local expert at weight 0
         local = torch.where(mine, local, experts.num_experts - 1)
         weights = torch.where(mine, weights, torch.zeros_like(weights))
         k = local.shape[1]
-        row_group = groups.repeat_interleave(k)
+        row_group = token_group.repeat_interleave(k)
         key = local.reshape(-1) * G + row_group
         order = torch.argsort(key, stable=True)
-        token = torch.arange(all_x.shape[0], device=x.device).repeat_interleave(k)[order]
-        out = experts.compute(all_x, token, weights.reshape(-1)[order], key[order], row_group[order], G, lora)
-        partial = experts.combine(all_x, token, out)
-        return comm.reduce_scatter(partial, self.group)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[order]
+        out = experts.compute(x, token, weights.reshape(-1)[order], key[order], row_group[order], G, lora)
+        return experts.combine(x, token, out)
+
+
+def _token_group(x: torch.Tensor, lora: LoraRoute | None) -> torch.Tensor:
+    if lora is None:
+        return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    return lora.moe_token_group()
 
 
 def shard_experts(model: nn.Module, parallel: Parallel) -> int:
@@ -107,9 +128,12 @@ def shard_experts(model: nn.Module, parallel: Parallel) -> int:
     return sharded
 
 
+MODES = ("all_to_all", "gather", "replicated")
+
+
 def set_mode(model: nn.Module, mode: str) -> None:
-    """Pick the dispatcher of every sharded MoE layer: ``all_to_all`` or ``gather`` (decode)."""
-    if mode not in ("all_to_all", "gather"):
+    """Pick the dispatcher of every sharded MoE layer (one of :data:`MODES`)."""
+    if mode not in MODES:
         raise ValueError(f"unknown expert dispatch {mode!r}")
     for mod in model.modules():
         if isinstance(mod, Experts) and isinstance(mod.dispatch, ExpertParallel):

@@ -369,6 +369,10 @@ class Worker:
 
         return [rows(p, j, False) for p, j in owners], [rows(p, j, True) for p, j in owners]
 
+    def _route(self, batch: PackedBatch):
+        """The LoRA route of a training pass's batch."""
+        return self.bank.route(batch.groups)
+
     def logprobs(
         self,
         batch: PackedBatch,
@@ -382,7 +386,7 @@ class Worker:
         ctx = ForwardContext(
             positions=batch.positions,
             attend=lambda layer, q, k, v, spec, scale: attention(q, k, v, spec, scale),
-            lora=self.bank.route(batch.groups),
+            lora=self._route(batch),
             seq_lens=batch.doc_lengths,
             routing=routing,
         )

@@ -161,3 +161,12 @@ def expert_parallel_step(
         single, _ = _forward(ref, ref_bank, decode, dkeys)
     torch.testing.assert_close(gathered, a2a, **TOL)
     torch.testing.assert_close(gathered, single, **TOL)
+
+    # sampling: every rank runs the same sequences; experts' shares summed by an all-reduce
+    same = [seqs[0][:7], seqs[1][:4]]
+    with torch.no_grad():
+        set_mode(model, "replicated")
+        replicated, _ = _forward(model, bank, same, dkeys, sorted(set(dkeys)))
+        set_mode(model, "all_to_all")
+        single, _ = _forward(ref, ref_bank, same, dkeys)
+    torch.testing.assert_close(replicated, single, **TOL)

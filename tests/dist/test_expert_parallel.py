@@ -68,3 +68,12 @@ def _inkling2():
 def test_families_ep2(build, grad_rtol, tmp_path_factory):
     path = _saved(build(), tmp_path_factory, build.__name__[1:])
     run(2, ep_cases.expert_parallel_step, path, 2, False, grad_rtol)
+
+
+def test_sharded_worker_matches_one_process(qwen3_moe_dir, tmp_path):
+    """The engine's worker at EP=2: checkpoints loaded by block, a mixed training pass (several
+    losses, forward-only requests, a request that fails alone), clipped AdamW, checkpoints written
+    whole (weights and Adam moments equal one process's, loadable by one process), seeded sampling."""
+    from tests.dist import worker_cases
+
+    run(2, worker_cases.sharded_worker_matches_one_process, qwen3_moe_dir, str(tmp_path), 2)

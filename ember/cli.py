@@ -81,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         gap_timeout_s=args.gap_timeout, log_level=args.log_level, cpu_threads=args.cpu_threads,
         stability_memory_mb=args.stability_memory_mb, stability_disk_mb=args.stability_disk_mb,
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
+        nproc=args.nproc, ep=args.ep,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -173,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--cpu-threads", type=int, default=None,
                        help="torch threads of each engine on --device cpu (default: all cores but one, which is "
                             "left to the API process and clients)")
+    serve.add_argument("--nproc", type=int, default=1,
+                       help="processes per engine (one GPU each with --device cuda; gloo on --device cpu) (default 1)")
+    serve.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel degree: each of --ep processes holds 1/EP of every MoE layer's experts; "
+                       "must divide --nproc and the number of experts (default 1)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

@@ -19,7 +19,8 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -386,10 +387,7 @@ class EngineService:
         if self._detokenize is None:
             if self.model_path is None:
                 raise UserError("stop strings need the model's tokenizer, which this engine does not have")
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(str(self.model_path))
-            self._detokenize = lambda ids: tok.decode(list(ids))
+            self._detokenize = tokenizer_decode(str(self.model_path))
         return self._detokenize(ids)
 
     def _run_samples(self, futures: list[PendingFuture], payloads: dict[str, bytes | None]) -> None:
@@ -604,6 +602,15 @@ class EngineService:
             yield self.storage.download_dir(uri, Path(tmp) / "ckpt")
 
 
+@functools.cache
+def tokenizer_decode(model_path: str) -> Callable[[Sequence[int]], str]:
+    """The decode of the tokenizer in a model folder (loaded once per process)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    return lambda ids: tok.decode(list(ids))
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -688,18 +695,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--log-format", default="auto", choices=("auto", "text", "json"),
                     help="text (readable) or json lines on stderr; auto: text on a terminal")
+    ap.add_argument("--nproc", type=int, default=1, help="processes of this engine (ember.engine.sharded)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides --nproc)")
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # set for the ranks rank 0 starts
+    ap.add_argument("--dist-init", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    if args.nproc < 1 or args.ep < 1 or args.nproc % args.ep:
+        ap.error(f"--ep {args.ep} must divide --nproc {args.nproc}")
     if args.device == "cpu":
-        torch.set_num_threads(cpu_threads(args.cpu_threads))
+        torch.set_num_threads(max(1, cpu_threads(args.cpu_threads) // args.nproc))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    dtype = getattr(torch, dtype_name)
+    kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank)
+    if args.nproc > 1:
+        from ember.engine import sharded
+
+        if args.rank > 0:  # a follower: no store, no doorbell; rank 0's calls until it stops
+            worker = sharded.start_rank(args, dtype, kwargs)
+            sharded.follow(worker, lambda ids: tokenizer_decode(args.model_path)(ids))
+            return 0
     store = Store.open(args.database_url, pool_size=2, run_migrations=False)
     caps = ["train", "sample"] if hasattr(Worker, "sample") else ["train"]
     doorbell = Doorbell()
     store.register_engine(args.base_model, os.getpid(), caps, doorbell.port)
-    worker = Worker.from_pretrained(
-        args.model_path, args.device, getattr(torch, dtype_name), max_adapters=args.max_adapters, max_rank=args.max_rank
-    )
+    if args.nproc > 1:
+        worker = sharded.FanOut(sharded.start_rank(args, dtype, kwargs, argv if argv is not None else sys.argv[1:]))
+    else:
+        worker = Worker.from_pretrained(args.model_path, args.device, dtype, **kwargs)
     service = EngineService(
         store, Storage(args.storage), args.base_model, worker, token_budget=args.token_budget,
         gap_timeout_s=args.gap_timeout, model_path=args.model_path, doorbell=doorbell,
@@ -711,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     orphaned = (lambda: os.getppid() != args.parent_pid) if args.parent_pid else (lambda: False)
     service.run(should_stop=lambda: bool(stopping) or orphaned())
+    if args.nproc > 1:
+        worker.stop()
     store.engine_ready(args.base_model, "stopped")
     return 0
 

@@ -15,12 +15,21 @@ rank, with the experts' shares summed by an all-reduce (seeded draws then agree 
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ember.core import checkpoint, peft_format
 from ember.core.loading import load_model
@@ -32,6 +41,8 @@ from ember.dist.mesh import Parallel
 from ember.dist.parallelize import parallelize
 from ember.engine.worker import InvalidRequest, Worker
 from ember.types import ForwardBackwardInput, ForwardBackwardOutput, SampleInput
+
+log = logging.getLogger("ember.engine")
 
 
 def assign(lengths: Sequence[int], world: int) -> list[int]:
@@ -150,6 +161,64 @@ class ShardedWorker(Worker):
 
     def import_peft(self, path) -> int:
         return peft_format.import_peft(self.bank, path, select=self._select).slot
+
+
+def start_rank(args, dtype: torch.dtype, kwargs: dict, argv: list[str] | None = None) -> ShardedWorker:
+    """Join the engine's process group and load this rank's shard. Rank 0 first starts ranks
+    ``1..nproc-1`` (the same command with ``--rank``), and exits if one of them dies (the
+    supervisor then fails the in-flight requests and restarts the whole engine); a rank exits
+    when rank 0 is gone."""
+    cuda = args.device.startswith("cuda")
+    if args.rank == 0:
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "ember.engine.service", *argv, "--rank", str(r), "--dist-init", init,
+                 "--parent-pid", str(os.getpid())],
+                stdin=subprocess.DEVNULL,
+            )
+            for r in range(1, args.nproc)
+        ]
+        threading.Thread(target=_watch_ranks, args=(procs,), name="engine-ranks", daemon=True).start()
+    else:
+        init = args.dist_init
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), name="engine-rank0", daemon=True).start()
+    device = f"cuda:{args.rank}" if cuda else args.device
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init, rank=args.rank, world_size=args.nproc,
+        timeout=timedelta(minutes=10),
+    )
+    parallel = Parallel(args.ep)
+    log.info("engine rank joined", extra={"rank": args.rank, "world": args.nproc, "ep": args.ep, "device": device})
+    return ShardedWorker.from_pretrained(args.model_path, parallel, device, dtype, **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_ranks(procs: list[subprocess.Popen]) -> None:
+    while True:
+        for rank, p in enumerate(procs, start=1):
+            code = p.poll()
+            if code is not None:
+                log.error("engine rank died; stopping the engine", extra={"rank": rank, "exit_code": code})
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+                os._exit(1)
+        time.sleep(0.5)
+
+
+def _watch_parent(pid: int | None) -> None:
+    while pid is not None:
+        if os.getppid() != pid:
+            os._exit(1)
+        time.sleep(0.5)
 
 
 # Worker methods that touch the model or the bank: every rank runs them, in the same order.

@@ -38,6 +38,8 @@ class EngineOptions:
     stability_memory_mb: int = 2048  # stability records (record_stability_info) in host memory ...
     stability_disk_mb: int = 16384  # ... then spilled to local disk ...
     stability_ttl_s: float = 3600.0  # ... kept this long without use
+    nproc: int = 1  # processes per engine (ember.engine.sharded)
+    ep: int = 1  # expert-parallel degree
 
 
 class EngineSupervisor:
@@ -69,6 +71,8 @@ class EngineSupervisor:
             cmd += ["--dtype", o.dtype]
         if o.cpu_threads:
             cmd += ["--cpu-threads", str(o.cpu_threads)]
+        if o.nproc > 1:
+            cmd += ["--nproc", str(o.nproc), "--ep", str(o.ep)]
         return cmd
 
     def start(self) -> None:

@@ -1,0 +1,83 @@
+"""``ember serve --device cpu --nproc 2 --ep 2``: the official SDK against an engine whose experts
+are split over two gloo processes (tests/conformance/scenarios/s_sharded.py); then a rank killed with
+SIGKILL: rank 0 stops the engine, the supervisor fails its requests and starts all ranks anew, and
+the new engine serves the scenario again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ember.engine.builtin import build_model
+from ember.store import Store
+from tests.conformance.conftest import Server, run_scenario
+from tests.live_server import free_port, serve, stop, wait_ready
+
+MOE = "tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="module")
+def sharded_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    models = {MOE: str(build_model(root / "models" / MOE, "qwen3_moe", seed=2))}
+    db_url = f"sqlite:///{root / 'ember.db'}"
+    store = Store.open(db_url)
+    key = store.create_api_key("alice")[1]
+    store.close()
+    port = free_port()
+    log = root / "server.log"
+    proc = serve(["--database-url", db_url, "--storage", str(root / "checkpoints"), "--max-rank", "16",
+                  "--model", f"{MOE}={models[MOE]}", "--nproc", "2", "--ep", "2", "--cpu-threads", "2",
+                  "--port", str(port), "--long-poll", "10"], log)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
+        yield Server(f"http://127.0.0.1:{port}", db_url, str(root / "checkpoints"), models, {"alice": key}, log, proc)
+    finally:
+        stop(proc)
+
+
+def test_sdk_against_an_expert_parallel_engine(sharded_server):
+    run_scenario(sharded_server, "s_sharded", timeout_s=400)
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of ``pid``'s child processes (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if ppid == pid:
+            out.append((int(entry), cmd))
+    return out
+
+
+def _ranks(server_pid: int) -> list[int]:
+    """Pids of the engine's processes: rank 0 (a child of the server), then the ranks it started."""
+    rank0 = [p for p, cmd in _children(server_pid) if "ember.engine.service" in cmd]
+    return rank0 + [p for p, cmd in _children(rank0[0]) if "--rank" in cmd] if rank0 else []
+
+
+def test_a_dead_rank_restarts_the_whole_engine(sharded_server):
+    before = _ranks(sharded_server.proc.pid)
+    assert len(before) == 2, before
+    os.kill(before[1], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        after = _ranks(sharded_server.proc.pid)
+        if len(after) == 2 and not set(after) & set(before):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"engine ranks {before} were not replaced: {_ranks(sharded_server.proc.pid)}")
+    wait_ready(sharded_server.base_url, sharded_server.proc, sharded_server.log, engines=True)
+    run_scenario(sharded_server, "s_sharded", timeout_s=400)

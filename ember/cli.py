@@ -51,6 +51,18 @@ def _database_url(args: argparse.Namespace) -> str:
     return args.database_url or os.environ.get("EMBER_DATABASE_URL") or default_sqlite_url(Path(args.home).expanduser())
 
 
+def _check_layout(models: dict, nproc: int, ep: int) -> None:
+    """Refuse at start, naming the sizes, a layout that does not divide what it splits."""
+    from ember.core.config import load_config
+
+    if nproc < 1 or ep < 1 or nproc % ep:
+        raise ValueError(f"--ep {ep} must divide --nproc {nproc}")
+    for name, m in models.items():
+        moe = getattr(load_config(m.path), "moe", None)
+        if ep > 1 and moe is not None and moe.num_experts % ep:
+            raise ValueError(f"--ep {ep} must divide the {moe.num_experts} experts per MoE layer of {name!r}")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ember.jsonlog import resolve_format
     from ember.server.config import ServerConfig
@@ -65,6 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         client_config = json.loads(args.client_config) if args.client_config else {}
         models = parse_model_flags(args.model or [], home)
+        if not args.api_only:
+            _check_layout(models, args.nproc, args.ep)
     except (ValueError, json.JSONDecodeError) as e:
         print(f"ember serve: {e}", file=sys.stderr)
         return 2

@@ -77,3 +77,28 @@ def test_sharded_worker_matches_one_process(qwen3_moe_dir, tmp_path):
     from tests.dist import worker_cases
 
     run(2, worker_cases.sharded_worker_matches_one_process, qwen3_moe_dir, str(tmp_path), 2)
+
+
+@pytest.mark.parametrize(
+    "shape, world, ep, rank",
+    [("inkling2-small-3l", 32, 32, 3), ("qwen3.8-flash-next-8l", 32, 16, 19), ("qwen3-30b-a3b", 32, 8, 13)],
+)
+def test_large_layouts_hold_one_ep_th_of_the_experts(shape, world, ep, rank):
+    """Inkling2 (384 experts) at EP=32, qwen4_exp (512) at EP=16 over 32 ranks (two ranks hold each
+    expert), Qwen3-30B-A3B (128) at EP=8: planned on the meta device with a fake process group."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.live_server import REPO
+
+    out = subprocess.run([sys.executable, "-m", "tests.dist.plan_cases", shape, str(world), str(ep), str(rank)],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    whole = got["whole"]
+    (total,) = {e for _, _, e in whole["expert_blocks"]}
+    n = total // ep
+    assert got["expert_blocks"] == [[(rank % ep) * n, n, total]]
+    assert got["expert_bytes"] * ep == whole["expert_bytes"]
+    assert got["lora32_expert_bytes"] * ep == whole["lora32_expert_bytes"]
+    assert got["dense_bytes"] == whole["dense_bytes"]  # dense weights are replicated (no TP yet)

@@ -81,3 +81,17 @@ def test_a_dead_rank_restarts_the_whole_engine(sharded_server):
         raise AssertionError(f"engine ranks {before} were not replaced: {_ranks(sharded_server.proc.pid)}")
     wait_ready(sharded_server.base_url, sharded_server.proc, sharded_server.log, engines=True)
     run_scenario(sharded_server, "s_sharded", timeout_s=400)
+
+
+def test_sizes_that_do_not_divide_are_refused_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.live_server import REPO
+
+    path = build_model(tmp_path / "m", "qwen3_moe", seed=2)  # 4 experts
+    for flags, says in ((["--nproc", "3", "--ep", "2"], "--ep 2 must divide --nproc 3"),
+                        (["--nproc", "3", "--ep", "3"], "--ep 3 must divide the 4 experts")):
+        out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--home", str(tmp_path / "home"),
+                              "--model", f"m={path}", *flags], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert out.returncode == 2 and says in out.stderr, out.stderr

@@ -10,6 +10,7 @@ formats. Run it with ``python -m ember.engine.service --help`` (``ember serve`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import secrets
@@ -19,7 +20,6 @@ import socket
 import sys
 import tempfile
 import time
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path

@@ -272,5 +272,5 @@ def follow(worker: ShardedWorker, detokenize=None) -> None:
             kwargs["detokenize"] = detokenize
         try:
             getattr(worker, name)(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - rank 0 raises and reports the same error
-            pass
+        except Exception:  # rank 0 raised the same error and reports it
+            log.debug("a call failed on this rank as on rank 0", extra={"call": name}, exc_info=True)

@@ -618,7 +618,7 @@ def token_vocab(cfg: dict) -> int:
     return ember_config(cfg).vocab_size
 
 
-def random_ember_model(cfg: dict, device: str, dtype: torch.dtype, seed: int = 0):
+def random_ember_model(cfg: dict, device: str, dtype: torch.dtype, seed: int = 0, parallelize=None):
     """Ember's ``random_model`` of shape ``cfg`` (std 0.02, norms at identity; the parameters a family
     keeps in fp32 stay fp32), with the parameters created in ``dtype`` from the start: materialised
     in the default fp32 first, the largest shapes (inkling2-small-3l) would need twice their memory."""
@@ -627,7 +627,7 @@ def random_ember_model(cfg: dict, device: str, dtype: torch.dtype, seed: int = 0
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return random_model(ember_config(cfg), device, dtype, seed=seed)
+        return random_model(ember_config(cfg), device, dtype, seed=seed, parallelize=parallelize)
     finally:
         torch.set_default_dtype(previous)
 

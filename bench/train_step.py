@@ -7,6 +7,10 @@ tokens in ONE pass:
 * ember-8     8 adapters, one sequence each (bank of 32 slots, all 32 filled)
 * ember-32x1  one adapter used, bank of 32 slots all filled (cost of configured slots)
 * ember-1u    one adapter that also adapts the LM head (Tinker's default ``train_unembed``)
+* ember-ep    one adapter on an engine of --nproc processes with --ep expert parallelism (one GPU
+              each; gloo on the CPU), the whole batch in one pass; per-GPU tokens/s and MFU, and the
+              time in collectives per step (NCCL kernels of one profiled step); runs first, in its
+              own processes, before the one-process configurations take the GPU
 * hf-peft     transformers + PEFT, same weights and batch, LoRA on the same weights as Ember's
               attn+mlp adapter (gradient checkpointing: it does not fit in memory without it);
               skipped, with the reason printed, where the installed transformers lacks the family
@@ -18,6 +22,7 @@ bench/common.py (the families' full-size or layer-reduced shapes, and tiny-* CPU
     python bench/train_step.py --out /tmp/bench
     python bench/train_step.py --shape glm-4.7-flash --micro 4 --out /tmp/bench   # see its shape's note
     python bench/train_step.py --shape tiny-olmo3 --seqs 2 --seq-len 16 --warmup 0 --iters 1   # CPU smoke test
+    python bench/train_step.py --shape qwen3-30b-a3b --nproc 2 --ep 2 --only ember-ep,ember-1 --micro 2 --out /tmp/b
 """
 
 from __future__ import annotations
@@ -127,6 +132,75 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
     }
 
 
+def _parallel_rank(rank: int, world: int, init: str, args, hf_cfg, seqs, results) -> None:
+    import torch.distributed as dist
+
+    from ember.dist.mesh import Parallel
+    from ember.dist.parallelize import parallelize
+    from ember.engine.sharded import FanOut, ShardedWorker, follow
+
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (torch.get_num_threads()) // world))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", init_method=init, rank=rank,
+                            world_size=world)
+    par = Parallel(args.ep)
+    device = f"cuda:{rank}" if DEVICE == "cuda" else "cpu"
+    model = random_ember_model(hf_cfg, device, DTYPE, seed=0, parallelize=lambda m: parallelize(m, par))
+    worker = ShardedWorker(model, par, max_adapters=1, max_rank=max(64, args.rank))
+    try:
+        if rank:
+            follow(worker)
+            return
+        fan = FanOut(worker)
+        slot = fan.create_adapter(LoraConfig(rank=args.rank, alpha=32.0, targets=frozenset(("attn", "mlp"))))
+        reqs = requests([slot], seqs)
+        losses = []
+
+        def step():
+            losses.append(sum(o.metrics["loss:sum"] for o in fan.forward_backward(reqs)))
+            fan.optim_step(slot, HP)
+
+        meter = MemoryMeter()
+        meter.start()
+        times = time_steps(step, args.warmup, args.iters)
+        mem = meter.stop()
+        comm_s = None
+        if DEVICE == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                sync()
+            comm_s = sum(e.self_device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e6
+        fan.stop()
+        results.put({"step_s": median(times), "times": times, **mem, "comm_s_per_step": comm_s, "gpus": world,
+                     "first_loss_per_token": losses[0] / sum(len(s) - 1 for s in seqs)})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_parallel(args, hf_cfg, seqs) -> dict:
+    """ember-ep: the step on --nproc processes (rank 0 drives, the others follow)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_parallel_rank, args=(r, args.nproc, f"file://{tmp}/pg", args, hf_cfg, seqs, results))
+                 for r in range(args.nproc)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    if any(p.exitcode for p in procs):
+        return {"error": f"ranks exited with {[p.exitcode for p in procs]}"}
+    return results.get()
+
+
 def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):
     # the same weights (shared with Ember, same names), so both run the same model; LoRA on the
     # weights an Ember attn+mlp adapter adapts (MoE experts through PEFT's target_parameters)
@@ -183,17 +257,24 @@ def main() -> None:
     ap.add_argument("--only", default="ember-1,ember-8,ember-32x1,hf-peft", help="comma list of configurations")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table of one Ember step")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--nproc", type=int, default=2, help="ember-ep: processes (GPUs) of the engine")
+    ap.add_argument("--ep", type=int, default=2, help="ember-ep: expert-parallel degree (divides --nproc)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     hf_cfg = SHAPES[args.shape]
     torch.manual_seed(0)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}")
-    model = ember_model(hf_cfg)
     seqs = make_batch(token_vocab(hf_cfg), args.seqs, args.seq_len)
     tokens = args.seqs * args.seq_len
     flops = train_flops(hf_cfg, [args.seq_len] * args.seqs)
     print(f"shape {args.shape}: {tokens} tokens/step, {flops / 1e12:.1f} TFLOP/step model FLOPs")
     results = {}
+    names = args.only.split(",")
+    if "ember-ep" in names:  # before this process puts a model on the GPU
+        r = run_parallel(args, hf_cfg, seqs)
+        results["ember-ep"] = _report("ember-ep", r, tokens, flops)
+        names.remove("ember-ep")
+    model = ember_model(hf_cfg) if names else None
     plan = {
         "ember-1": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
                                      args.out if args.profile else None, micro=args.micro),
@@ -205,7 +286,7 @@ def main() -> None:
         "hf-peft": lambda: run_hf(model, hf_cfg, seqs, args.rank, args.warmup, args.iters),
     }
     hf_skip = hf_baseline_unavailable(hf_cfg)
-    for name in args.only.split(","):
+    for name in names:
         if name == "hf-peft" and hf_skip:
             print(f"{name:12s} skipped: {hf_skip}", flush=True)
             results[name] = {"skipped": hf_skip}
@@ -215,26 +296,33 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - report and go on: one failing configuration must not hide the others
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}
-        if "step_s" in r:
-            r["tokens_per_s"] = tokens / r["step_s"]
-            r["mfu"] = flops / r["step_s"] / PEAK_BF16_FLOPS
-            print(f"{name:12s} step {r['step_s']:.3f}s  {r['tokens_per_s']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%  "
-                  f"peak {r['peak_gib']:.1f} GiB  activations {r['activation_gib']:.1f} GiB  "
-                  f"loss/token {r['first_loss_per_token']:.4f}", flush=True)
-        results[name] = r
+        results[name] = _report(name, r, tokens, flops)
     out = {"hardware": hardware_line(), "torch": torch.__version__, "shape": args.shape, "tokens": tokens,
            "model_tflop": flops / 1e12, "results": results}
     (args.out / f"train_step_{args.shape}.json").write_text(json.dumps(out, indent=2))
-    print("\n| config | step (s) | tokens/s | MFU | peak GiB | activations GiB |")
-    print("|---|---|---|---|---|---|")
+    print("\n| config | GPUs | step (s) | tokens/s per GPU | MFU | peak GiB | activations GiB | collectives (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if "step_s" in r:
-            print(f"| {name} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
-                  f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} |")
+            comm = r.get("comm_s_per_step")
+            print(f"| {name} | {r.get('gpus', 1)} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
+                  f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} | {'' if comm is None else f'{comm:.3f}'} |")
         elif "skipped" in r:
             print(f"| {name} | skipped: {r['skipped'][:80]} |")
         else:
             print(f"| {name} | error: {r['error'][:80]} |")
+
+
+def _report(name: str, r: dict, tokens: int, flops: float) -> dict:
+    """Add tokens/s and MFU per GPU to a configuration's result and print its line."""
+    if "step_s" in r:
+        gpus = r.get("gpus", 1)
+        r["tokens_per_s"] = tokens / r["step_s"] / gpus
+        r["mfu"] = flops / r["step_s"] / PEAK_BF16_FLOPS / gpus
+        print(f"{name:12s} step {r['step_s']:.3f}s  {r['tokens_per_s']:8.0f} tok/s/GPU  MFU {100 * r['mfu']:5.1f}%  "
+              f"peak {r['peak_gib']:.1f} GiB  activations {r['activation_gib']:.1f} GiB  "
+              f"loss/token {r['first_loss_per_token']:.4f}", flush=True)
+    return r
 
 
 if __name__ == "__main__":

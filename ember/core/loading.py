@@ -225,9 +225,16 @@ def init_random(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
 
 
 def random_model(
-    cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    parallelize: Callable[[CausalLM], object] | None = None,
 ) -> CausalLM:
-    """A model of shape ``cfg`` with random weights, built directly on ``device`` (benchmarks)."""
+    """A model of shape ``cfg`` with random weights, built directly on ``device`` (benchmarks);
+    ``parallelize`` shards it first (as in :func:`load_model`), so a process builds only its part."""
     model = build_empty(cfg)
+    if parallelize is not None:
+        parallelize(model)
     _materialise(model, torch.device(device), dtype)
     return init_random(model, seed).eval()

@@ -209,8 +209,9 @@ class AdapterBank:
 
     def _new_flat(self, config: LoraConfig) -> tuple[list, torch.Tensor]:
         """Fresh factors, laid out with every dense factor before the expert ones (a sharded
-        engine reduces the two parts over different ranks). ``A`` of sharded experts is drawn for
-        all experts and sliced, so every layout starts from the same adapter."""
+        engine reduces the two parts over different ranks). ``A`` of sharded experts (or of a linear
+        split along its input) is drawn whole and sliced, so every layout starts from the same
+        adapter."""
         gen = torch.Generator().manual_seed(config.seed)
         top_k = self._expert_top_k(config)
         dense, expert = [], []
@@ -219,11 +220,16 @@ class AdapterBank:
                 continue
             rank = config.rank // top_k if top_k and t.num_experts else config.rank
             a_shape, b_shape = _factor_shapes(t, rank)
-            drawn = a_shape if t.num_experts is None else (t.global_experts or t.num_experts, *a_shape[1:])
-            bound = 1.0 / math.sqrt(t.in_features)
-            A = (torch.rand(drawn, generator=gen) * 2 - 1) * bound
+            fan_in = t.full_in_features or t.in_features
+            if t.num_experts is None:
+                drawn = (rank, fan_in)
+            else:
+                drawn = (t.global_experts or t.num_experts, *a_shape[1:])
+            A = (torch.rand(drawn, generator=gen) * 2 - 1) / math.sqrt(fan_in)
             if t.num_experts is not None:
                 A = A[t.expert_start : t.expert_start + t.num_experts]
+            else:
+                A = A[:, t.in_start : t.in_start + t.in_features]
             (dense if t.num_experts is None else expert).append(
                 ((t.name, a_shape, b_shape), [A.reshape(-1), torch.zeros(math.prod(b_shape))])
             )

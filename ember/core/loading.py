@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from ember.core import quant
 from ember.core.config import ModelConfig, load_config
+from ember.core.layers.lora import LoraLinear
 from ember.core.layers.moe import Experts
 from ember.core.layers.norms import RMSNorm
 from ember.core.models import CausalLM, model_class
@@ -104,14 +105,22 @@ def _materialise(model: CausalLM, device: torch.device, dtype: torch.dtype) -> N
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def _expert_blocks(model: CausalLM) -> dict[str, tuple[int, int]]:
-    """``{parameter name: (first expert, count)}`` of expert stacks that hold only a block of their
-    layer's experts (sharded by :mod:`ember.dist` before loading)."""
+def _blocks(model: CausalLM) -> dict[str, tuple[int, int, int]]:
+    """``{parameter name: (dim, start, length)}`` of the parameters that hold only a block of the
+    checkpoint's tensor (sharded by :mod:`ember.dist` before loading): expert stacks holding some
+    of their layer's experts, linears holding some of their rows or columns."""
     out = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, Experts) and mod.num_experts != mod.global_experts:
+        if isinstance(mod, Experts) and mod.dispatch is not None:
             for p in ("gate_up_proj", "down_proj"):
-                out[f"{name}.{p}"] = (mod.expert_start, mod.num_experts)
+                out[f"{name}.{p}"] = (0, mod.expert_start, mod.num_experts)
+        elif isinstance(mod, LoraLinear) and mod.shard is not None:
+            if mod.out_features != mod.full_out_features:
+                out[f"{name}.weight"] = (0, mod.out_start, mod.out_features)
+                if mod.bias is not None:
+                    out[f"{name}.bias"] = (0, mod.out_start, mod.out_features)
+            if mod.in_features != mod.full_in_features:
+                out[f"{name}.weight"] = (1, mod.in_start, mod.in_features)
     return out
 
 
@@ -132,13 +141,13 @@ def load_model(
         parallelize(model)
     _materialise(model, device, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
-    blocks = _expert_blocks(model)
+    blocks = _blocks(model)
 
     def block(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in blocks:
             return t
-        start, n = blocks[name]
-        return t[start : start + n]
+        dim, start, n = blocks[name]
+        return t.narrow(dim, start, n)
     filled: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
@@ -166,7 +175,7 @@ def load_model(
         if m:
             # experts of layers the model does not build (e.g. MTP layers), or of other ranks, are not read
             name, e = f"{m['prefix']}.gate_up_proj", int(m["e"])
-            start, n = blocks.get(name, (0, None))
+            _, start, n = blocks.get(name, (0, 0, None))
             if name in params and start <= e and (n is None or e < start + n):
                 experts[m["prefix"]][e - start][m["proj"]] = reader.get(stored)
             continue
@@ -189,7 +198,7 @@ def load_model(
             continue
         n = gate_up.shape[0]
         if sorted(per_expert) != list(range(n)):
-            start = blocks.get(f"{prefix}.gate_up_proj", (0, n))[0]
+            start = blocks.get(f"{prefix}.gate_up_proj", (0, 0, n))[1]
             have = [e + start for e in sorted(per_expert)][:5]
             raise ValueError(f"{prefix}: checkpoint has experts {have}…, this process expects {start}..{start + n - 1}")
         inter = gate_up.shape[1] // 2

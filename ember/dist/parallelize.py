@@ -7,14 +7,26 @@ import torch
 from ember.core.models.base import CausalLM
 from ember.dist.expert_parallel import shard_experts
 from ember.dist.mesh import Parallel
+from ember.dist.tensor_parallel import shard_linears
+
+
+TP_FAMILIES = ("llama", "qwen3", "qwen3_moe")
 
 
 def parallelize(model: CausalLM, parallel: Parallel) -> CausalLM:
     """Shard ``model`` for this rank of ``parallel``: its block of every MoE layer's experts
-    (expert parallelism). Call it on the meta device, before loading, so that each rank reads
-    only its own weights (:func:`ember.core.loading.load_model`'s ``parallelize``)."""
+    (expert parallelism), its part of the attention heads and MLP width (tensor parallelism).
+    Call it on the meta device, before loading, so that each rank reads only its own weights
+    (:func:`ember.core.loading.load_model`'s ``parallelize``). Records the kind of every split LoRA
+    factor on ``parallel`` (``factor_kinds``, read by :mod:`ember.dist.adapters`)."""
+    parallel.factor_kinds = {}
     if parallel.layout.ep > 1:
         shard_experts(model, parallel)
+    if parallel.layout.tp > 1:
+        if model.config.model_type not in TP_FAMILIES:
+            raise ValueError(f"--tp is built for {', '.join(TP_FAMILIES)} so far, not {model.config.model_type}")
+        parallel.factor_kinds = shard_linears(model, parallel)
+    if parallel.world > 1:
         model.model.embed_tokens.register_forward_hook(_track_gradients)
     return model
 

@@ -4,9 +4,9 @@ Rank 0 runs the service (store, scheduler) on a :class:`FanOut`, which sends eve
 touches the model or the adapter bank to the other ranks (:func:`follow`) before running it
 itself, so every rank makes the same calls with the same arguments in the same order.
 
-Under expert parallelism a training pass splits the step's sequences across the ranks (balanced
-by tokens, the same split on every rank), each rank runs its share through the replicated dense
-layers and the sharded experts, and the per-token logprobs are gathered so that every rank
+A training pass splits the step's sequences across the ranks that run different sequences
+(balanced by tokens, the same split on every rank; the ranks of a tensor-parallel group run the
+same share), each rank runs its share through its part of the model, and the per-token logprobs are gathered so that every rank
 computes every request's loss (Tinker's losses may mix a request's tokens: group advantages,
 custom losses); the backward keeps each rank's own rows. Gradients are then summed over the ranks
 that share each factor (:mod:`ember.dist.adapters`). Sampling runs the same sequences on every
@@ -79,9 +79,10 @@ class ShardedWorker(Worker):
         return self.bank.route(batch.groups, step_keys=self._step_keys)
 
     def _pass(self, sequences, keys, targets, inv_t, routes):
-        owner = assign([len(s) for s in sequences], self.parallel.world)
-        mine = [i for i, r in enumerate(owner) if r == self.parallel.rank]
-        sizes = [sum(len(s) for s, r in zip(sequences, owner) if r == rank) for rank in range(self.parallel.world)]
+        layout, group = self.parallel.layout, self.parallel.dp_group
+        owner = assign([len(s) for s in sequences], layout.dp)  # the ranks of a TP group run the same share
+        mine = [i for i, r in enumerate(owner) if r == layout.dp_rank]
+        sizes = [sum(len(s) for s, r in zip(sequences, owner) if r == d) for d in range(layout.dp)]
         pick = mine or [0]  # a rank without sequences runs one token so it enters every collective
         self._step_keys = sorted(set(keys))
         try:
@@ -94,14 +95,14 @@ class ShardedWorker(Worker):
             )
         finally:
             self._step_keys = None
-        rows = torch.cat(local)[: sizes[self.parallel.rank]]
-        full = comm.gather_rows(rows, sizes, self.parallel.world_group)
+        rows = torch.cat(local)[: sizes[layout.dp_rank]]
+        full = comm.gather_rows(rows, sizes, group)
         full_flips = None
         if flips is not None:
-            counts = torch.cat([torch.stack(f, dim=1) for f in flips])[: sizes[self.parallel.rank]]
-            full_flips = comm.gather_rows(counts, sizes, self.parallel.world_group)
-        # gathered rows: rank by rank, each rank's sequences in order
-        order = [i for rank in range(self.parallel.world) for i in range(len(sequences)) if owner[i] == rank]
+            counts = torch.cat([torch.stack(f, dim=1) for f in flips])[: sizes[layout.dp_rank]]
+            full_flips = comm.gather_rows(counts, sizes, group)
+        # gathered rows: share by share, each share's sequences in order
+        order = [i for d in range(layout.dp) for i in range(len(sequences)) if owner[i] == d]
         per_seq: list = [None] * len(sequences)
         per_flip: list = [None] * len(sequences)
         cursor = 0

@@ -102,3 +102,23 @@ def test_large_layouts_hold_one_ep_th_of_the_experts(shape, world, ep, rank):
     assert got["expert_bytes"] * ep == whole["expert_bytes"]
     assert got["lora32_expert_bytes"] * ep == whole["lora32_expert_bytes"]
     assert got["dense_bytes"] == whole["dense_bytes"]  # dense weights are replicated (no TP yet)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return str(save_hf_model(build_hf_model("qwen3"), tmp_path_factory.mktemp("qwen3")))
+
+
+def test_qwen3_tp2(qwen3_dir):
+    """Tensor parallelism: heads and MLP width split over two ranks running the same sequences."""
+    run(2, ep_cases.expert_parallel_step, qwen3_dir, 1, False, 1e-5, 2)
+
+
+def test_qwen3_tp2_dp2(qwen3_dir):
+    """Two TP groups of two ranks running different sequences."""
+    run(4, ep_cases.expert_parallel_step, qwen3_dir, 1, False, 1e-5, 2)
+
+
+def test_qwen3_moe_tp2(qwen3_moe_dir):
+    """TP on an MoE model: attention split, experts whole on every rank."""
+    run(2, ep_cases.expert_parallel_step, qwen3_moe_dir, 1, False, 1e-5, 2)

@@ -216,18 +216,34 @@ class LoraLinear(nn.Module):
     ``lora_name`` is the module's path in the Hugging Face model (e.g.
     ``model.layers.0.self_attn.q_proj``), the key of its factors in every adapter; ``category`` is
     ``attn``, ``mlp`` or ``unembed`` (Tinker's ``train_attn`` / ``train_mlp`` / ``train_unembed``).
-    """
+
+    ``shard`` (default ``None``) is set from outside when the weight is split across processes
+    (:mod:`ember.dist.tensor_parallel`): ``shard(self, x, lora)`` then runs the product with the
+    collectives its split needs. A module split along its input holds columns ``in_start ..`` of
+    ``full_in_features``; one split along its output, rows ``out_start ..`` of ``full_out_features``."""
+
+    shard = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, category: str):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.full_in_features = in_features
+        self.in_start = 0
+        self.full_out_features = out_features
+        self.out_start = 0
         self.category = category
         self.lora_name = ""
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, lora: LoraRoute | None) -> torch.Tensor:
+        if self.shard is not None:
+            return self.shard(self, x, lora)
+        return self.product(x, lora, self.bias)
+
+    def product(self, x: torch.Tensor, lora: LoraRoute | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` with the route's LoRA corrections, on this process's weight."""
         if lora is None:
-            return F.linear(x, self.weight, self.bias)
-        return lora.linear(self.lora_name, x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
+        return lora.linear(self.lora_name, x, self.weight, bias)

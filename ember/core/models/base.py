@@ -75,6 +75,8 @@ class LoraTarget:
     num_experts: int | None = None
     expert_start: int = 0
     global_experts: int | None = None
+    in_start: int = 0  # a linear split along its input holds columns in_start.. of full_in_features
+    full_in_features: int | None = None
 
 
 class CausalLM(nn.Module):
@@ -125,7 +127,12 @@ class CausalLM(nn.Module):
         out = []
         for _, mod in self.named_modules():
             if isinstance(mod, LoraLinear):
-                out.append(LoraTarget(mod.lora_name, mod.category, mod.in_features, mod.out_features))
+                out.append(
+                    LoraTarget(
+                        mod.lora_name, mod.category, mod.in_features, mod.out_features,
+                        in_start=mod.in_start, full_in_features=mod.full_in_features,
+                    )
+                )
             elif isinstance(mod, Experts):
                 for suffix, (i, o) in mod.lora_shapes().items():
                     out.append(

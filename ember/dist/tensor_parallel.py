@@ -1,0 +1,115 @@
+"""Tensor parallelism (Megatron's column/row split) for the attention and MLP projections.
+
+A column-parallel linear keeps rows ``[start, end)`` of its weight (whole attention heads, a slice
+of the MLP width); its input is the same on every rank of the TP group, and its backward sums the
+input gradient over the group. A row-parallel linear keeps the matching columns; each rank's
+product is a partial sum, added up by an all-reduce (its bias once, after it).
+
+LoRA factors split to match: ``B`` of a column-parallel linear and ``A`` of a row-parallel one are
+sharded; the other factor is replicated. The row-parallel LoRA term folds into the partial sums
+(``Σ_r (x_r A_rᵀ) Bᵀ = (x Aᵀ) Bᵀ``), so it needs no collective of its own.
+
+Which gradients are complete where (summed by :mod:`ember.dist.adapters`):
+
+* sharded factors (column ``B``, row ``A``): complete on their rank, summed over the ranks that ran
+  other sequences (``dp_group``);
+* the replicated factor of a split linear (column ``A``, row ``B``): each rank holds the part its
+  shard contributed, summed over every rank;
+* factors of linears that are not split (the LM head): computed whole on every rank of a TP group,
+  summed over ``dp_group`` only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ember.core.layers.lora import LoraLinear
+from ember.dist import comm
+from ember.dist.mesh import Parallel
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce_sum_(g.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Forward: the partial sums added over the group. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        return comm.all_reduce_sum_(y.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class ColumnParallel:
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
+        return mod.product(_CopyToGroup.apply(x, self.group), lora, mod.bias)
+
+
+class RowParallel:
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
+        y = _ReduceFromGroup.apply(mod.product(x, lora, None), self.group)
+        return y if mod.bias is None else y + mod.bias
+
+
+# factor kinds (how a factor's gradient is reduced and how a checkpoint gathers it)
+REPLICATED, PARTIAL, SHARDED_ROWS, SHARDED_COLS = "replicated", "partial", "rows", "cols"
+
+
+def _split(mod: LoraLinear, parallel: Parallel, dim: int) -> None:
+    full = mod.weight.shape[dim]
+    start, end = parallel.layout.tp_range(full)
+    w = mod.weight.data.narrow(dim, start, end - start).clone()
+    mod.weight = nn.Parameter(w, requires_grad=False)
+    if dim == 0:
+        mod.out_features, mod.out_start, mod.full_out_features = end - start, start, full
+        if mod.bias is not None:
+            mod.bias = nn.Parameter(mod.bias.data[start:end].clone(), requires_grad=False)
+    else:
+        mod.in_features, mod.in_start, mod.full_in_features = end - start, start, full
+
+
+def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
+    """Split the attention and dense-MLP projections of a Llama-style model (q/k/v and gate/up
+    column-parallel, o and down row-parallel), in place; returns the kind of every LoRA factor
+    (``{module}.lora_A`` / ``.lora_B``) of a split module."""
+    tp = parallel.layout.tp
+    cfg = model.config
+    for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
+                    ("MLP width (intermediate_size)", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"--tp {tp} must divide the model's {what} ({n})")
+    kinds = {}
+    column, row = ColumnParallel(parallel.tp_group), RowParallel(parallel.tp_group)
+    for name, mod in model.named_modules():
+        if not isinstance(mod, LoraLinear):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") and ".layers." in name:
+            _split(mod, parallel, 0)
+            mod.shard = column
+            kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = PARTIAL, SHARDED_ROWS
+        elif leaf in ("o_proj", "down_proj") and ".layers." in name:
+            _split(mod, parallel, 1)
+            mod.shard = row
+            kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = SHARDED_COLS, PARTIAL
+    return kinds

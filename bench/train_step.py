@@ -7,8 +7,8 @@ tokens in ONE pass:
 * ember-8     8 adapters, one sequence each (bank of 32 slots, all 32 filled)
 * ember-32x1  one adapter used, bank of 32 slots all filled (cost of configured slots)
 * ember-1u    one adapter that also adapts the LM head (Tinker's default ``train_unembed``)
-* ember-ep    one adapter on an engine of --nproc processes with --ep expert parallelism (one GPU
-              each; gloo on the CPU), the whole batch in one pass; per-GPU tokens/s and MFU, and the
+* ember-par   one adapter on an engine of --nproc processes with --ep expert or --tp tensor
+              parallelism (one GPU each; gloo on the CPU), the whole batch in one pass; per-GPU tokens/s and MFU, and the
               time in collectives per step (NCCL kernels of one profiled step); runs first, in its
               own processes, before the one-process configurations take the GPU
 * hf-peft     transformers + PEFT, same weights and batch, LoRA on the same weights as Ember's
@@ -22,7 +22,7 @@ bench/common.py (the families' full-size or layer-reduced shapes, and tiny-* CPU
     python bench/train_step.py --out /tmp/bench
     python bench/train_step.py --shape glm-4.7-flash --micro 4 --out /tmp/bench   # see its shape's note
     python bench/train_step.py --shape tiny-olmo3 --seqs 2 --seq-len 16 --warmup 0 --iters 1   # CPU smoke test
-    python bench/train_step.py --shape qwen3-30b-a3b --nproc 2 --ep 2 --only ember-ep,ember-1 --micro 2 --out /tmp/b
+    python bench/train_step.py --shape qwen3-30b-a3b --nproc 2 --ep 2 --only ember-par,ember-1 --micro 2 --out /tmp/b
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _parallel_rank(rank: int, world: int, init: str, args, hf_cfg, seqs, results
         torch.set_num_threads(max(1, (torch.get_num_threads()) // world))
     dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", init_method=init, rank=rank,
                             world_size=world)
-    par = Parallel(args.ep)
+    par = Parallel(args.ep, args.tp)
     device = f"cuda:{rank}" if DEVICE == "cuda" else "cpu"
     model = random_ember_model(hf_cfg, device, DTYPE, seed=0, parallelize=lambda m: parallelize(m, par))
     worker = ShardedWorker(model, par, max_adapters=1, max_rank=max(64, args.rank))
@@ -182,7 +182,9 @@ def _parallel_rank(rank: int, world: int, init: str, args, hf_cfg, seqs, results
 
 
 def run_parallel(args, hf_cfg, seqs) -> dict:
-    """ember-ep: the step on --nproc processes (rank 0 drives, the others follow)."""
+    """ember-par: the step on --nproc processes (rank 0 drives, the others follow)."""
+    if args.ep == 1 and args.tp == 1:
+        raise SystemExit("ember-par needs --ep or --tp above 1")
     import tempfile
 
     import torch.multiprocessing as mp
@@ -257,8 +259,9 @@ def main() -> None:
     ap.add_argument("--only", default="ember-1,ember-8,ember-32x1,hf-peft", help="comma list of configurations")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table of one Ember step")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
-    ap.add_argument("--nproc", type=int, default=2, help="ember-ep: processes (GPUs) of the engine")
-    ap.add_argument("--ep", type=int, default=2, help="ember-ep: expert-parallel degree (divides --nproc)")
+    ap.add_argument("--nproc", type=int, default=2, help="ember-par: processes (GPUs) of the engine")
+    ap.add_argument("--ep", type=int, default=1, help="ember-par: expert-parallel degree (divides --nproc)")
+    ap.add_argument("--tp", type=int, default=1, help="ember-par: tensor-parallel degree (divides --nproc)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     hf_cfg = SHAPES[args.shape]
@@ -270,10 +273,10 @@ def main() -> None:
     print(f"shape {args.shape}: {tokens} tokens/step, {flops / 1e12:.1f} TFLOP/step model FLOPs")
     results = {}
     names = args.only.split(",")
-    if "ember-ep" in names:  # before this process puts a model on the GPU
+    if "ember-par" in names:  # before this process puts a model on the GPU
         r = run_parallel(args, hf_cfg, seqs)
-        results["ember-ep"] = _report("ember-ep", r, tokens, flops)
-        names.remove("ember-ep")
+        results["ember-par"] = _report("ember-par", r, tokens, flops)
+        names.remove("ember-par")
     model = ember_model(hf_cfg) if names else None
     plan = {
         "ember-1": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,

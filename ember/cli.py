@@ -51,16 +51,27 @@ def _database_url(args: argparse.Namespace) -> str:
     return args.database_url or os.environ.get("EMBER_DATABASE_URL") or default_sqlite_url(Path(args.home).expanduser())
 
 
-def _check_layout(models: dict, nproc: int, ep: int) -> None:
+def _check_layout(models: dict, nproc: int, ep: int, tp: int) -> None:
     """Refuse at start, naming the sizes, a layout that does not divide what it splits."""
     from ember.core.config import load_config
 
-    if nproc < 1 or ep < 1 or nproc % ep:
-        raise ValueError(f"--ep {ep} must divide --nproc {nproc}")
+    for flag, n in (("--ep", ep), ("--tp", tp)):
+        if nproc < 1 or n < 1 or nproc % n:
+            raise ValueError(f"{flag} {n} must divide --nproc {nproc}")
+    if ep > 1 and tp > 1:
+        raise ValueError("--ep and --tp together are not supported yet: use one of them")
     for name, m in models.items():
-        moe = getattr(load_config(m.path), "moe", None)
+        cfg = load_config(m.path)
+        moe = getattr(cfg, "moe", None)
         if ep > 1 and moe is not None and moe.num_experts % ep:
             raise ValueError(f"--ep {ep} must divide the {moe.num_experts} experts per MoE layer of {name!r}")
+        if tp > 1:
+            if cfg.model_type not in ("llama", "qwen3", "qwen3_moe"):
+                raise ValueError(f"--tp is built for llama, qwen3 and qwen3_moe so far, not {cfg.model_type} ({name!r})")
+            for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
+                            ("MLP width", cfg.intermediate_size)):
+                if n % tp:
+                    raise ValueError(f"--tp {tp} must divide the {n} {what} of {name!r}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -78,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_config = json.loads(args.client_config) if args.client_config else {}
         models = parse_model_flags(args.model or [], home)
         if not args.api_only:
-            _check_layout(models, args.nproc, args.ep)
+            _check_layout(models, args.nproc, args.ep, args.tp)
     except (ValueError, json.JSONDecodeError) as e:
         print(f"ember serve: {e}", file=sys.stderr)
         return 2
@@ -95,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         gap_timeout_s=args.gap_timeout, log_level=args.log_level, cpu_threads=args.cpu_threads,
         stability_memory_mb=args.stability_memory_mb, stability_disk_mb=args.stability_disk_mb,
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
-        nproc=args.nproc, ep=args.ep,
+        nproc=args.nproc, ep=args.ep, tp=args.tp,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -193,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--ep", type=int, default=1,
                        help="expert-parallel degree: each of --ep processes holds 1/EP of every MoE layer's experts; "
                        "must divide --nproc and the number of experts (default 1)")
+    serve.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel degree: --tp consecutive processes split the attention heads and MLP "
+                       "width (Llama/Qwen3 families); must divide --nproc, the heads and the width (default 1)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

@@ -33,7 +33,9 @@ _SHARDED_BY = {EXPERT: ("ep_group", 0), SHARDED_ROWS: ("tp_group", 0), SHARDED_C
 
 def factor_kind(name: str, t: torch.Tensor, parallel: Parallel) -> str:
     """How ``name`` (``{module}.lora_A`` / ``.lora_B``, optionally ``.exp_avg``…) is split."""
-    base = name.rsplit(".", 1)[0] if name.endswith((".exp_avg", ".exp_avg_sq", ".step")) else name
+    if name.endswith(".step"):  # Adam's step count: one number, the same everywhere
+        return REPLICATED
+    base = name.rsplit(".", 1)[0] if name.endswith((".exp_avg", ".exp_avg_sq")) else name
     kinds = getattr(parallel, "factor_kinds", {})
     if base in kinds:
         return kinds[base]

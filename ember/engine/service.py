@@ -697,12 +697,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="text (readable) or json lines on stderr; auto: text on a terminal")
     ap.add_argument("--nproc", type=int, default=1, help="processes of this engine (ember.engine.sharded)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides --nproc)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides --nproc)")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # set for the ranks rank 0 starts
     ap.add_argument("--dist-init", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    if args.nproc < 1 or args.ep < 1 or args.nproc % args.ep:
-        ap.error(f"--ep {args.ep} must divide --nproc {args.nproc}")
+    for flag, n in (("--ep", args.ep), ("--tp", args.tp)):
+        if args.nproc < 1 or n < 1 or args.nproc % n:
+            ap.error(f"{flag} {n} must divide --nproc {args.nproc}")
     if args.device == "cpu":
         torch.set_num_threads(max(1, cpu_threads(args.cpu_threads) // args.nproc))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

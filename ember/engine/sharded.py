@@ -191,8 +191,9 @@ def start_rank(args, dtype: torch.dtype, kwargs: dict, argv: list[str] | None = 
         "cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init, rank=args.rank, world_size=args.nproc,
         timeout=timedelta(minutes=10),
     )
-    parallel = Parallel(args.ep)
-    log.info("engine rank joined", extra={"rank": args.rank, "world": args.nproc, "ep": args.ep, "device": device})
+    parallel = Parallel(args.ep, args.tp)
+    log.info("engine rank joined",
+             extra={"rank": args.rank, "world": args.nproc, "ep": args.ep, "tp": args.tp, "device": device})
     return ShardedWorker.from_pretrained(args.model_path, parallel, device, dtype, **kwargs)
 
 

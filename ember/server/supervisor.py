@@ -40,6 +40,7 @@ class EngineOptions:
     stability_ttl_s: float = 3600.0  # ... kept this long without use
     nproc: int = 1  # processes per engine (ember.engine.sharded)
     ep: int = 1  # expert-parallel degree
+    tp: int = 1  # tensor-parallel degree
 
 
 class EngineSupervisor:
@@ -72,7 +73,7 @@ class EngineSupervisor:
         if o.cpu_threads:
             cmd += ["--cpu-threads", str(o.cpu_threads)]
         if o.nproc > 1:
-            cmd += ["--nproc", str(o.nproc), "--ep", str(o.ep)]
+            cmd += ["--nproc", str(o.nproc), "--ep", str(o.ep), "--tp", str(o.tp)]
         return cmd
 
     def start(self) -> None:

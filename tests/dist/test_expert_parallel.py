@@ -122,3 +122,10 @@ def test_qwen3_tp2_dp2(qwen3_dir):
 def test_qwen3_moe_tp2(qwen3_moe_dir):
     """TP on an MoE model: attention split, experts whole on every rank."""
     run(2, ep_cases.expert_parallel_step, qwen3_moe_dir, 1, False, 1e-5, 2)
+
+
+def test_sharded_worker_tp2_matches_one_process(qwen3_moe_dir, tmp_path):
+    """The same at TP=2 (attention split, experts whole on both ranks)."""
+    from tests.dist import worker_cases
+
+    run(2, worker_cases.sharded_worker_matches_one_process, qwen3_moe_dir, str(tmp_path), 1, 2)

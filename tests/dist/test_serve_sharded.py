@@ -1,5 +1,5 @@
-"""``ember serve --device cpu --nproc 2 --ep 2``: the official SDK against an engine whose experts
-are split over two gloo processes (tests/conformance/scenarios/s_sharded.py); then a rank killed with
+"""``ember serve --device cpu --nproc 2 --ep 2`` (and ``--tp 2``): the official SDK against an
+engine split over two gloo processes (tests/conformance/scenarios/s_sharded.py); then a rank killed with
 SIGKILL: rank 0 stops the engine, the supervisor fails its requests and starts all ranks anew, and
 the new engine serves the scenario again."""
 
@@ -19,8 +19,9 @@ from tests.live_server import free_port, serve, stop, wait_ready
 MOE = "tiny-qwen3-moe"
 
 
-@pytest.fixture(scope="module")
-def sharded_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["--ep", "--tp"])
+def sharded_server(request, tmp_path_factory):
+    """``--nproc 2`` with ``--ep 2`` (experts split) or ``--tp 2`` (heads and MLP width split)."""
     root = tmp_path_factory.mktemp("sharded")
     models = {MOE: str(build_model(root / "models" / MOE, "qwen3_moe", seed=2))}
     db_url = f"sqlite:///{root / 'ember.db'}"
@@ -30,7 +31,7 @@ def sharded_server(tmp_path_factory):
     port = free_port()
     log = root / "server.log"
     proc = serve(["--database-url", db_url, "--storage", str(root / "checkpoints"), "--max-rank", "16",
-                  "--model", f"{MOE}={models[MOE]}", "--nproc", "2", "--ep", "2", "--cpu-threads", "2",
+                  "--model", f"{MOE}={models[MOE]}", "--nproc", "2", request.param, "2", "--cpu-threads", "2",
                   "--port", str(port), "--long-poll", "10"], log)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
@@ -39,7 +40,7 @@ def sharded_server(tmp_path_factory):
         stop(proc)
 
 
-def test_sdk_against_an_expert_parallel_engine(sharded_server):
+def test_sdk_against_a_sharded_engine(sharded_server):
     run_scenario(sharded_server, "s_sharded", timeout_s=400)
 
 
@@ -91,7 +92,9 @@ def test_sizes_that_do_not_divide_are_refused_at_start(tmp_path):
 
     path = build_model(tmp_path / "m", "qwen3_moe", seed=2)  # 4 experts
     for flags, says in ((["--nproc", "3", "--ep", "2"], "--ep 2 must divide --nproc 3"),
-                        (["--nproc", "3", "--ep", "3"], "--ep 3 must divide the 4 experts")):
+                        (["--nproc", "3", "--ep", "3"], "--ep 3 must divide the 4 experts"),
+                        (["--nproc", "4", "--tp", "4"], "--tp 4 must divide the 2 key/value heads"),
+                        (["--nproc", "4", "--tp", "2", "--ep", "2"], "--ep and --tp together are not supported")):
         out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--home", str(tmp_path / "home"),
                               "--model", f"m={path}", *flags], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 2 and says in out.stderr, out.stderr

@@ -23,8 +23,8 @@ from tests.unit.test_mixed_batch import _request
 KW = dict(max_adapters=4, max_rank=16, logprob_chunk=16)
 
 
-def sharded_worker_matches_one_process(rank: int, world: int, model_dir: str, tmp: str, ep: int):
-    worker = ShardedWorker.from_pretrained(model_dir, Parallel(ep), "cpu", torch.float32, **KW)
+def sharded_worker_matches_one_process(rank: int, world: int, model_dir: str, tmp: str, ep: int, tp: int = 1):
+    worker = ShardedWorker.from_pretrained(model_dir, Parallel(ep, tp), "cpu", torch.float32, **KW)
     if rank:
         follow(worker)
         return

@@ -1,5 +1,5 @@
-"""The official SDK against an engine of two processes with experts split between them
-(``ember serve --nproc 2 --ep 2``): step-0 logprobs equal transformers', two adapters train at the
+"""The official SDK against an engine of two processes (``ember serve --nproc 2 --ep 2``: experts
+split between them; ``--tp 2``: attention heads and MLP width split): step-0 logprobs equal transformers', two adapters train at the
 same time (each as it would alone, as the one-process engine does), checkpoints resume exactly,
 seeded samples repeat, and the sampler's logprobs are the trainer's."""
 

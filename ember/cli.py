@@ -58,8 +58,8 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int) -> None:
     for flag, n in (("--ep", ep), ("--tp", tp)):
         if nproc < 1 or n < 1 or nproc % n:
             raise ValueError(f"{flag} {n} must divide --nproc {nproc}")
-    if ep > 1 and tp > 1:
-        raise ValueError("--ep and --tp together are not supported yet: use one of them")
+    if ep > 1 and tp > 1 and ep % tp:
+        raise ValueError(f"--ep {ep} must be a multiple of --tp {tp} (expert groups span whole TP groups)")
     for name, m in models.items():
         cfg = load_config(m.path)
         moe = getattr(cfg, "moe", None)

@@ -28,7 +28,7 @@ from torch import nn
 
 from ember.core.layers.lora import LoraRoute
 from ember.core.layers.moe import ExpertRows, Experts, Routing
-from ember.dist import comm
+from ember.dist import comm, tensor_parallel
 from ember.dist.mesh import Parallel
 
 
@@ -38,6 +38,8 @@ class ExpertParallel:
     def __init__(self, parallel: Parallel):
         self.group = parallel.ep_group
         self.ep = parallel.layout.ep
+        self.tp_group = parallel.tp_group
+        self.tp, self.tp_rank = parallel.layout.tp, parallel.layout.tp_rank
         self.mode = "all_to_all"
 
     def __call__(self, experts: Experts, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
@@ -48,7 +50,25 @@ class ExpertParallel:
         return self._all_to_all(experts, x, routing, lora)
 
     def _all_to_all(self, experts, x, routing, lora):
-        rows = ExpertRows.sort(routing, lora)
+        if self.tp == 1:
+            return self._dispatch(experts, x, routing, lora, None)
+        # the ranks of a TP group hold the same tokens: each dispatches its own slice of them, and
+        # the slices' outputs are gathered back (the gather's backward keeps each rank's slice;
+        # the copies' backward sums over the group the gradients of what every rank holds whole:
+        # the input rows and the router's weights)
+        T = x.shape[0]
+        sizes = [len(part) for part in torch.arange(T).tensor_split(self.tp)]
+        start = sum(sizes[: self.tp_rank])
+        end = start + sizes[self.tp_rank]
+        x = tensor_parallel.copy_to_group(x, self.tp_group)
+        weights = tensor_parallel.copy_to_group(routing.weights, self.tp_group)
+        token_group = None if lora is None else lora.moe_token_group()[start:end]
+        part = Routing(routing.experts[start:end], weights[start:end])
+        out = self._dispatch(experts, x[start:end], part, lora, token_group)
+        return comm.gather_rows(out, sizes, self.tp_group)
+
+    def _dispatch(self, experts, x, routing, lora, token_group):
+        rows = ExpertRows.sort(routing, lora, token_group)
         G, local = rows.groups, experts.num_experts * rows.groups
         # rows are sorted by expert, so each destination rank's rows are contiguous
         counts = torch.bincount(rows.key, minlength=experts.global_experts * G).view(self.ep, local)

@@ -11,7 +11,9 @@ Two layouts exist today:
   ``tp`` ranks of a group (consecutive, so inside one machine) split the attention heads and the MLP
   width and run the same sequences; the ``world / tp`` groups run different sequences.
 
-Both at once (EP borrowing TP ranks) is not built yet.
+Both at once: the expert groups span whole TP groups (``ep`` a multiple of ``tp``); the ranks of
+a TP group split their tokens before the experts' dispatch (torchtitan's "EP borrows TP"), so
+every rank of an expert group sends distinct rows.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class Layout:
         for name, n in (("ep", self.ep), ("tp", self.tp)):
             if n < 1 or self.world % n:
                 raise ValueError(f"--{name} {n} must divide the number of processes ({self.world})")
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError("--ep and --tp together are not supported yet: use one of them")
+        if self.ep > 1 and self.tp > 1 and self.ep % self.tp:
+            raise ValueError(f"--ep {self.ep} must be a multiple of --tp {self.tp} (expert groups span whole TP groups)")
 
     @property
     def ep_rank(self) -> int:

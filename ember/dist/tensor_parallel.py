@@ -54,12 +54,18 @@ class _ReduceFromGroup(torch.autograd.Function):
         return g, None
 
 
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` as it is, with its gradient summed over ``group`` in backward (an input that every
+    rank of the group holds and each uses for its own part of the work)."""
+    return _CopyToGroup.apply(x, group)
+
+
 class ColumnParallel:
     def __init__(self, group):
         self.group = group
 
     def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
-        return mod.product(_CopyToGroup.apply(x, self.group), lora, mod.bias)
+        return mod.product(copy_to_group(x, self.group), lora, mod.bias)
 
 
 class RowParallel:

@@ -156,7 +156,7 @@ def expert_parallel_step(
     if ep == 1:
         return
     # decode: every rank holds the same number of tokens, dispatched by all-gather + reduce-scatter
-    decode = [[(7 * rank + j) % vocab for j in range(6)], seqs[0][:3] * 2]
+    decode = [[(7 * dp_rank + j) % vocab for j in range(6)], seqs[0][:3] * 2]  # the same within a TP group
     dkeys = [(1, False), (3, False)]
     with torch.no_grad():
         a2a, _ = _forward(model, bank, decode, dkeys, sorted(set(dkeys)))

@@ -129,3 +129,13 @@ def test_sharded_worker_tp2_matches_one_process(qwen3_moe_dir, tmp_path):
     from tests.dist import worker_cases
 
     run(2, worker_cases.sharded_worker_matches_one_process, qwen3_moe_dir, str(tmp_path), 1, 2)
+
+
+def test_qwen3_moe_ep2_tp2(qwen3_moe_dir):
+    """EP borrowing TP: two ranks split the heads and each dispatches half of the tokens."""
+    run(2, ep_cases.expert_parallel_step, qwen3_moe_dir, 2, False, 1e-5, 2)
+
+
+def test_qwen3_moe_ep4_tp2(qwen3_moe_dir):
+    """An expert group of two TP groups (four ranks, two experts each), R3 replay included."""
+    run(4, ep_cases.expert_parallel_step, qwen3_moe_dir, 4, True, 1e-5, 2)

@@ -94,7 +94,7 @@ def test_sizes_that_do_not_divide_are_refused_at_start(tmp_path):
     for flags, says in ((["--nproc", "3", "--ep", "2"], "--ep 2 must divide --nproc 3"),
                         (["--nproc", "3", "--ep", "3"], "--ep 3 must divide the 4 experts"),
                         (["--nproc", "4", "--tp", "4"], "--tp 4 must divide the 2 key/value heads"),
-                        (["--nproc", "4", "--tp", "2", "--ep", "2"], "--ep and --tp together are not supported")):
+                        (["--nproc", "6", "--tp", "2", "--ep", "3"], "--ep 3 must be a multiple of --tp 2")):
         out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--home", str(tmp_path / "home"),
                               "--model", f"m={path}", *flags], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 2 and says in out.stderr, out.stderr

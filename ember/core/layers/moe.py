@@ -165,13 +165,15 @@ class ExpertRows:
     groups: int
 
     @staticmethod
-    def sort(routing: Routing, lora: LoraRoute | None) -> ExpertRows:
+    def sort(routing: Routing, lora: LoraRoute | None, token_group: torch.Tensor | None = None) -> ExpertRows:
+        """The rows of ``routing`` (``[T, k]``); ``token_group``: each token's adapter group
+        (default: the route's)."""
         T, k = routing.experts.shape
         flat_expert = routing.experts.reshape(-1)
         flat_token = torch.arange(T, device=flat_expert.device).repeat_interleave(k)
         groups = len(lora.moe_adapters) if lora is not None else 1
         if groups > 1:
-            row_group = lora.moe_token_group()[flat_token]
+            row_group = (lora.moe_token_group() if token_group is None else token_group)[flat_token]
             key = flat_expert * groups + row_group
         else:
             row_group = torch.zeros_like(flat_expert)

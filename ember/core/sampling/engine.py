@@ -32,6 +32,7 @@ import torch
 
 from ember.core.adapters import AdapterBank
 from ember.core.batch import pack
+from ember.core.layers.lora import LoraLinear
 from ember.core.logprobs import token_logprobs
 from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
 from ember.core.sampling.attention import PrefillAttention
@@ -143,6 +144,7 @@ class SamplingEngine:
                 and dtype == torch.bfloat16
                 and model.config.model_type in STATIC_FAMILIES
                 and model.config.moe is None
+                and not _sharded(model)
             )
         self.static = None
         if static:
@@ -574,3 +576,9 @@ def _routing_array(record: dict[int, torch.Tensor], start: int, n: int) -> np.nd
     if not layers:
         return np.zeros((n, 0, 0), dtype=np.int32)
     return torch.stack([record[i][start : start + n] for i in layers], dim=1).to(torch.int32).cpu().numpy()
+
+
+def _sharded(model: CausalLM) -> bool:
+    """Whether some projection is split across processes (its collectives run in the module's
+    forward, which the static decoder's fused kernels do not call)."""
+    return any(isinstance(m, LoraLinear) and m.shard is not None for m in model.modules())

@@ -10,6 +10,8 @@ every sequence generates exactly --new tokens):
 * a-32slots  the same with 32 adapter slots configured and all filled (cost of configured slots)
 * b          --mixed-prompts (256) prompts over --adapters (8) adapters, round robin
 * b-1        the same prompts with one adapter (b / b-1 is the cost of mixing adapters)
+* a-par      workload a on an engine of --nproc processes (--ep / --tp), every rank running the same
+             sequences as the engine samples (experts' shares all-reduced); the floor is per GPU
 * hf         transformers generate on a PEFT model (same weights) for workload a: static cache when
              it works, else the dynamic cache; skipped, with the reason printed, where the installed
              transformers lacks the family
@@ -241,6 +243,54 @@ def run_hf(model, hf_cfg, prompts, new: int, rank: int) -> dict:
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cache": cache or "dynamic"}
 
 
+def _parallel_rank(rank: int, world: int, init: str, args, hf_cfg, prompts, results) -> None:
+    import torch.distributed as dist
+
+    from ember.dist.expert_parallel import set_mode
+    from ember.dist.mesh import Parallel
+    from ember.dist.parallelize import parallelize
+
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", init_method=init, rank=rank,
+                            world_size=world)
+    try:
+        par = Parallel(args.ep, args.tp)
+        device = f"cuda:{rank}" if DEVICE == "cuda" else "cpu"
+        model = random_ember_model(hf_cfg, device, DTYPE, seed=0, parallelize=lambda m: parallelize(m, par))
+        set_mode(model, "replicated")  # every rank runs the same sequences, as the engine samples
+        r = run_ember(model, prompts, args.new, 1, 1, 1, args.rank, not args.no_graphs, None)
+        if rank == 0:
+            results.put({**r, "gpus": world})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_parallel(args, hf_cfg, prompts) -> dict:
+    """a-par: workload a on --nproc processes running the same sequences (each rank its part of the
+    weights: the floor is per GPU)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if args.ep == 1 and args.tp == 1:
+        raise SystemExit("a-par needs --ep or --tp above 1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_parallel_rank, args=(r, args.nproc, f"file://{tmp}/pg", args, hf_cfg, prompts,
+                                                          results)) for r in range(args.nproc)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    if any(p.exitcode for p in procs):
+        return {"error": f"ranks exited with {[p.exitcode for p in procs]}"}
+    return results.get()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
@@ -259,18 +309,25 @@ def main() -> None:
     )
     ap.add_argument("--only", default="a,a-32slots,b,b-1,hf,gap", help="comma list of workloads")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
+    ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
+    ap.add_argument("--tp", type=int, default=1, help="a-par: tensor-parallel degree")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     hf_cfg = SHAPES[args.shape]
     torch.manual_seed(0)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
-    model = random_ember_model(hf_cfg, DEVICE, DTYPE, seed=0)
     vocab = token_vocab(hf_cfg)
     prompts = make_prompts(vocab, args.prompts, args.prompt_len)
+    only = args.only.split(",")
+    early: dict[str, dict] = {}
+    if "a-par" in only:  # in its own processes, before this one puts a model on the GPU
+        early["a-par"] = run_parallel(args, hf_cfg, prompts)
+        only.remove("a-par")
+    model = random_ember_model(hf_cfg, DEVICE, DTYPE, seed=0)
     mixed = make_prompts(vocab, args.mixed_prompts, args.prompt_len, seed=1)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    only = args.only.split(",")
     plan = {
         "a": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only),
         "a-32slots": lambda: run_ember(model, prompts, args.new, 1, 32, 32, args.rank, graphs, static),
@@ -284,7 +341,7 @@ def main() -> None:
     }
     results: dict[str, dict] = {}
     hf_skip = hf_baseline_unavailable(hf_cfg)
-    for name in only:
+    for name in [*early, *only]:
         if name == "gap":
             continue
         if name == "hf" and hf_skip:
@@ -292,7 +349,7 @@ def main() -> None:
             results[name] = {"skipped": hf_skip}
             continue
         try:
-            r = plan[name]()
+            r = early[name] if name in early else plan[name]()
         except Exception as e:  # noqa: BLE001 - report and go on: one failing workload must not hide the others
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}

@@ -149,6 +149,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  {e.base_model}: {e.status}{' (no heartbeat for >10 s)' if stale else ''} pid={e.pid} generation={e.generation} passes={e.passes} "
               f"tokens={e.tokens} ({tps:.0f} tok/s busy) heartbeat={e.heartbeat_at and e.heartbeat_at.strftime('%H:%M:%S')}"
               + (f" detail={e.detail}" if e.detail else ""))
+        if e.ranks:
+            print(f"    {len(e.ranks['ranks'])} processes, ep={e.ranks['ep']} tp={e.ranks['tp']}: "
+                  + ", ".join(f"rank {r['rank']} pid={r['pid']} {r['device']}" for r in e.ranks["ranks"]))
     print("QUEUE (futures by base model and state)")
     for (base, state), n in sorted(store.queue_counts().items()):
         print(f"  {base}\t{state}\t{n}")

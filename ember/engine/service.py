@@ -723,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     store.register_engine(args.base_model, os.getpid(), caps, doorbell.port)
     if args.nproc > 1:
         worker = sharded.FanOut(sharded.start_rank(args, dtype, kwargs, argv if argv is not None else sys.argv[1:]))
+        store.engine_ranks(args.base_model, worker.ranks)
     else:
         worker = Worker.from_pretrained(args.model_path, args.device, dtype, **kwargs)
     service = EngineService(

@@ -64,6 +64,7 @@ class ShardedWorker(Worker):
     def __init__(self, model, parallel: Parallel, **kwargs):
         super().__init__(model, **kwargs)
         self.parallel = parallel
+        self.ranks: dict | None = None  # rank 0: the engine's processes (start_rank), for ember status
         self._step_keys: list | None = None
 
     @classmethod
@@ -194,7 +195,13 @@ def start_rank(args, dtype: torch.dtype, kwargs: dict, argv: list[str] | None = 
     parallel = Parallel(args.ep, args.tp)
     log.info("engine rank joined",
              extra={"rank": args.rank, "world": args.nproc, "ep": args.ep, "tp": args.tp, "device": device})
-    return ShardedWorker.from_pretrained(args.model_path, parallel, device, dtype, **kwargs)
+    worker = ShardedWorker.from_pretrained(args.model_path, parallel, device, dtype, **kwargs)
+    if args.rank == 0:
+        pids = [os.getpid()] + [p.pid for p in procs]
+        devices = [f"cuda:{r}" if cuda else args.device for r in range(args.nproc)]
+        worker.ranks = {"ep": args.ep, "tp": args.tp,
+                        "ranks": [{"rank": r, "pid": pid, "device": d} for r, (pid, d) in enumerate(zip(pids, devices))]}
+    return worker
 
 
 def _free_port() -> int:

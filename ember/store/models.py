@@ -194,6 +194,8 @@ class EngineRecord(Base):
     last_pass_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     last_pass_tokens: Mapped[int] = mapped_column(Integer, default=0)
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # accelerator (else resident) memory
+    # an engine of several processes: {"ep", "tp", "ranks": [{"rank", "pid", "device"}, ...]}; None: one process
+    ranks: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
 
 class RunMetric(Base):

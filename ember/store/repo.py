@@ -913,7 +913,13 @@ class Store:
             row.pid, row.status, row.detail, row.started_at, row.heartbeat_at = pid, "starting", None, now, now
             row.capabilities = list(capabilities)
             row.doorbell_port = doorbell_port
+            row.ranks = None
             return row.generation
+
+    def engine_ranks(self, base_model: str, ranks: dict) -> None:
+        """Record the processes of an engine that spans several (shown by ``ember status``)."""
+        with self.write() as s:
+            s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(ranks=ranks))
 
     def engine_ready(self, base_model: str, status: str = "ready") -> None:
         """Set the engine's status (``ready``; ``stopped`` when it exits cleanly)."""

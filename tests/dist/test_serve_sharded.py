@@ -44,6 +44,18 @@ def test_sdk_against_a_sharded_engine(sharded_server):
     run_scenario(sharded_server, "s_sharded", timeout_s=400)
 
 
+def test_ember_status_lists_the_ranks(sharded_server):
+    import subprocess
+    import sys
+
+    from tests.live_server import REPO
+
+    out = subprocess.run([sys.executable, "-m", "ember.cli", "status", "--database-url", sharded_server.database_url],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    pids = _ranks(sharded_server.proc.pid)
+    assert "2 processes" in out and all(f"pid={p}" in out for p in pids), (out, pids)
+
+
 def _children(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of ``pid``'s child processes (from /proc)."""
     out = []

@@ -18,8 +18,6 @@ from safetensors import safe_open
 
 from ember.core import quant
 from ember.core.config import ModelConfig, load_config
-from ember.core.layers.lora import LoraLinear
-from ember.core.layers.moe import Experts
 from ember.core.layers.norms import RMSNorm
 from ember.core.models import CausalLM, model_class
 
@@ -105,25 +103,6 @@ def _materialise(model: CausalLM, device: torch.device, dtype: torch.dtype) -> N
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def _blocks(model: CausalLM) -> dict[str, tuple[int, int, int]]:
-    """``{parameter name: (dim, start, length)}`` of the parameters that hold only a block of the
-    checkpoint's tensor (sharded by :mod:`ember.dist` before loading): expert stacks holding some
-    of their layer's experts, linears holding some of their rows or columns."""
-    out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, Experts) and mod.dispatch is not None:
-            for p in ("gate_up_proj", "down_proj"):
-                out[f"{name}.{p}"] = (0, mod.expert_start, mod.num_experts)
-        elif isinstance(mod, LoraLinear) and mod.shard is not None:
-            if mod.out_features != mod.full_out_features:
-                out[f"{name}.weight"] = (0, mod.out_start, mod.out_features)
-                if mod.bias is not None:
-                    out[f"{name}.bias"] = (0, mod.out_start, mod.out_features)
-            if mod.in_features != mod.full_in_features:
-                out[f"{name}.weight"] = (1, mod.in_start, mod.in_features)
-    return out
-
-
 def load_model(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
@@ -133,7 +112,9 @@ def load_model(
     """Load a model folder onto ``device`` with weights in ``dtype``.
 
     ``parallelize`` shards the model (still on the meta device) before anything is read, so a
-    process reads only the weights it holds (its block of experts under expert parallelism)."""
+    process reads only the weights it holds: the model's ``param_blocks`` (``{parameter name:
+    (dim, start, length)}``, set by :mod:`ember.dist`) name the parameters that hold a block of
+    the checkpoint's tensor (some experts, some rows or columns)."""
     device = torch.device(device)
     cfg = load_config(model_dir)
     model = build_empty(cfg)
@@ -141,7 +122,7 @@ def load_model(
         parallelize(model)
     _materialise(model, device, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
-    blocks = _blocks(model)
+    blocks: dict[str, tuple[int, int, int]] = getattr(model, "param_blocks", {})
 
     def block(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in blocks:

@@ -131,6 +131,7 @@ def shard_experts(model: nn.Module, parallel: Parallel) -> int:
     meta-device models (before loading) and on loaded ones (the other experts are dropped)."""
     ep = parallel.layout.ep
     dispatch = ExpertParallel(parallel)
+    blocks = model.__dict__.setdefault("param_blocks", {})  # read by load_model: what to read of each tensor
     sharded = 0
     for name, mod in model.named_modules():
         if not isinstance(mod, Experts):
@@ -142,6 +143,7 @@ def shard_experts(model: nn.Module, parallel: Parallel) -> int:
         for pname in ("gate_up_proj", "down_proj"):
             p = getattr(mod, pname)
             setattr(mod, pname, nn.Parameter(p.data[start:end].clone(), requires_grad=False))
+            blocks[f"{name}.{pname}"] = (0, start, end - start)
         mod.num_experts, mod.expert_start, mod.global_experts = end - start, start, total
         mod.dispatch = dispatch
         sharded += 1

@@ -10,7 +10,7 @@ from ember.dist.mesh import Parallel
 from ember.dist.tensor_parallel import shard_linears
 
 
-TP_FAMILIES = ("llama", "qwen3", "qwen3_moe")
+TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo3")
 
 
 def parallelize(model: CausalLM, parallel: Parallel) -> CausalLM:

@@ -81,23 +81,61 @@ class RowParallel:
 REPLICATED, PARTIAL, SHARDED_ROWS, SHARDED_COLS = "replicated", "partial", "rows", "cols"
 
 
-def _split(mod: LoraLinear, parallel: Parallel, dim: int) -> None:
+def _split(mod: LoraLinear, name: str, parallel: Parallel, dim: int, blocks: dict) -> None:
     full = mod.weight.shape[dim]
     start, end = parallel.layout.tp_range(full)
     w = mod.weight.data.narrow(dim, start, end - start).clone()
     mod.weight = nn.Parameter(w, requires_grad=False)
+    blocks[f"{name}.weight"] = (dim, start, end - start)
     if dim == 0:
         mod.out_features, mod.out_start, mod.full_out_features = end - start, start, full
         if mod.bias is not None:
             mod.bias = nn.Parameter(mod.bias.data[start:end].clone(), requires_grad=False)
+            blocks[f"{name}.bias"] = (0, start, end - start)
     else:
         mod.in_features, mod.in_start, mod.full_in_features = end - start, start, full
 
 
+class _ShardedRMSNormFn(torch.autograd.Function):
+    """Olmo 3's RMSNorm (weight applied in fp32 before the cast) over a width split across the
+    group: the mean of squares and the backward's row dot product are summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, width: int, group):
+        xf = x.float()
+        sq = comm.all_reduce_sum_(xf.pow(2).sum(-1, keepdim=True), group)
+        rstd = torch.rsqrt(sq / width + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.width, ctx.group = width, group
+        return (weight.float() * (xf * rstd)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        dxhat = dy.float() * weight.float()
+        dot = comm.all_reduce_sum_((dxhat * xhat).sum(-1, keepdim=True), ctx.group)
+        dx = rstd * (dxhat - xhat * dot / ctx.width)
+        return dx.to(x.dtype), None, None, None, None
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over a split width (Olmo 3's q/k norms over the whole q and k projections, under
+    TP): this rank's slice of the weight (frozen)."""
+
+    def __init__(self, norm: nn.Module, start: int, end: int, group):
+        super().__init__()
+        self.weight = nn.Parameter(norm.weight.data[start:end].clone(), requires_grad=False)
+        self.eps, self.width, self.group = norm.eps, norm.weight.shape[0], group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ShardedRMSNormFn.apply(x, self.weight, self.eps, self.width, self.group)
+
+
 def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
     """Split the attention and dense-MLP projections of a Llama-style model (q/k/v and gate/up
-    column-parallel, o and down row-parallel), in place; returns the kind of every LoRA factor
-    (``{module}.lora_A`` / ``.lora_B``) of a split module."""
+    column-parallel, o and down row-parallel; Olmo 3's whole-width q/k norms with them), in place;
+    returns the kind of every LoRA factor (``{module}.lora_A`` / ``.lora_B``) of a split module."""
     tp = parallel.layout.tp
     cfg = model.config
     for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
@@ -105,17 +143,22 @@ def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
         if n % tp:
             raise ValueError(f"--tp {tp} must divide the model's {what} ({n})")
     kinds = {}
+    blocks = model.__dict__.setdefault("param_blocks", {})  # read by load_model: what to read of each tensor
     column, row = ColumnParallel(parallel.tp_group), RowParallel(parallel.tp_group)
-    for name, mod in model.named_modules():
-        if not isinstance(mod, LoraLinear):
-            continue
+    for name, mod in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") and ".layers." in name:
-            _split(mod, parallel, 0)
-            mod.shard = column
-            kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = PARTIAL, SHARDED_ROWS
-        elif leaf in ("o_proj", "down_proj") and ".layers." in name:
-            _split(mod, parallel, 1)
-            mod.shard = row
-            kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = SHARDED_COLS, PARTIAL
+        if isinstance(mod, LoraLinear) and ".layers." in name:
+            if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+                _split(mod, name, parallel, 0, blocks)
+                mod.shard = column
+                kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = PARTIAL, SHARDED_ROWS
+            elif leaf in ("o_proj", "down_proj"):
+                _split(mod, name, parallel, 1, blocks)
+                mod.shard = row
+                kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = SHARDED_COLS, PARTIAL
+        elif leaf == "self_attn" and cfg.model_type == "olmo3":
+            for norm in ("q_norm", "k_norm"):
+                start, end = parallel.layout.tp_range(getattr(mod, norm).weight.shape[0])
+                setattr(mod, norm, ShardedRMSNorm(getattr(mod, norm), start, end, parallel.tp_group))
+                blocks[f"{name}.{norm}.weight"] = (0, start, end - start)
     return kinds

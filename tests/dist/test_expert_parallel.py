@@ -139,3 +139,14 @@ def test_qwen3_moe_ep2_tp2(qwen3_moe_dir):
 def test_qwen3_moe_ep4_tp2(qwen3_moe_dir):
     """An expert group of two TP groups (four ranks, two experts each), R3 replay included."""
     run(4, ep_cases.expert_parallel_step, qwen3_moe_dir, 4, True, 1e-5, 2)
+
+
+def _olmo3():
+    from tests.parity.test_olmo3 import build_hf
+
+    return build_hf()
+
+
+def test_olmo3_tp2(tmp_path_factory):
+    """Olmo 3 under TP: its RMSNorm over the whole q and k projections sums over the split width."""
+    run(2, ep_cases.expert_parallel_step, _saved(_olmo3(), tmp_path_factory, "olmo3"), 1, False, 1e-5, 2)

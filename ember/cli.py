@@ -53,7 +53,7 @@ def _database_url(args: argparse.Namespace) -> str:
 
 def _check_layout(models: dict, nproc: int, ep: int, tp: int) -> None:
     """Refuse at start, naming the sizes, a layout that does not divide what it splits."""
-    from ember.core.config import load_config
+    from ember.core.config import TP_FAMILIES, load_config
 
     for flag, n in (("--ep", ep), ("--tp", tp)):
         if nproc < 1 or n < 1 or nproc % n:
@@ -66,9 +66,8 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int) -> None:
         if ep > 1 and moe is not None and moe.num_experts % ep:
             raise ValueError(f"--ep {ep} must divide the {moe.num_experts} experts per MoE layer of {name!r}")
         if tp > 1:
-            if cfg.model_type not in ("llama", "qwen3", "qwen3_moe", "olmo3"):
-                raise ValueError(f"--tp is built for llama, qwen3, qwen3_moe and olmo3 so far, not {cfg.model_type} "
-                                 f"({name!r})")
+            if cfg.model_type not in TP_FAMILIES:
+                raise ValueError(f"--tp is built for {', '.join(TP_FAMILIES)} so far, not {cfg.model_type} ({name!r})")
             for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
                             ("MLP width", cfg.intermediate_size)):
                 if n % tp:
@@ -210,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                        "must divide --nproc and the number of experts (default 1)")
     serve.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: --tp consecutive processes split the attention heads and MLP "
-                       "width (Llama, Qwen3 and Olmo 3 families); must divide --nproc, the heads and the width (default 1)")
+                       "width (Llama, Qwen3, Olmo 3, DeepSeek-V3/GLM-4.7-Flash); must divide --nproc, the heads and the width "
+                       "(default 1)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

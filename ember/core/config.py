@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# families whose attention and MLP ember.dist can split by tensor parallelism (here: torch-free, for
+# ember serve's checks)
+TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo3", "deepseek_v3", "glm4_moe_lite")
+
 
 @dataclass(frozen=True)
 class RopeConfig:

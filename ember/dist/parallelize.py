@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ember.core.config import TP_FAMILIES
 from ember.core.models.base import CausalLM
 from ember.dist.expert_parallel import shard_experts
 from ember.dist.mesh import Parallel
 from ember.dist.tensor_parallel import shard_linears
-
-
-TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo3")
 
 
 def parallelize(model: CausalLM, parallel: Parallel) -> CausalLM:

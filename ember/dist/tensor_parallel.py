@@ -24,7 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dataclasses import replace
+
 from ember.core.layers.lora import LoraLinear
+from ember.core.layers.mla import MultiHeadLatentAttention
 from ember.dist import comm
 from ember.dist.mesh import Parallel
 
@@ -61,11 +64,29 @@ def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class ColumnParallel:
+    """``copy_input=False``: the input's gradient is summed where the input is made (a replicated
+    projection whose output is copied, MLA's latents), not here."""
+
+    def __init__(self, group, copy_input: bool = True):
+        self.group = group
+        self.copy_input = copy_input
+
+    def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
+        if self.copy_input:
+            x = copy_to_group(x, self.group)
+        return mod.product(x, lora, mod.bias)
+
+
+class CopiedOutput:
+    """A projection computed whole on every rank whose output each rank uses for its own heads:
+    the output's gradient is summed over the group (MLA's query and key/value latents, whose
+    rotary key every head reads)."""
+
     def __init__(self, group):
         self.group = group
 
     def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
-        return mod.product(copy_to_group(x, self.group), lora, mod.bias)
+        return copy_to_group(mod.product(x, lora, mod.bias), self.group)
 
 
 class RowParallel:
@@ -83,6 +104,8 @@ REPLICATED, PARTIAL, SHARDED_ROWS, SHARDED_COLS = "replicated", "partial", "rows
 
 def _split(mod: LoraLinear, name: str, parallel: Parallel, dim: int, blocks: dict) -> None:
     full = mod.weight.shape[dim]
+    if full % parallel.layout.tp:
+        raise ValueError(f"--tp {parallel.layout.tp} must divide {name}'s {('output', 'input')[dim]} width ({full})")
     start, end = parallel.layout.tp_range(full)
     w = mod.weight.data.narrow(dim, start, end - start).clone()
     mod.weight = nn.Parameter(w, requires_grad=False)
@@ -133,21 +156,33 @@ class ShardedRMSNorm(nn.Module):
 
 
 def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
-    """Split the attention and dense-MLP projections of a Llama-style model (q/k/v and gate/up
-    column-parallel, o and down row-parallel; Olmo 3's whole-width q/k norms with them), in place;
-    returns the kind of every LoRA factor (``{module}.lora_A`` / ``.lora_B``) of a split module."""
+    """Split the attention and dense-MLP projections (q/k/v and gate/up column-parallel, o and
+    down row-parallel; Olmo 3's whole-width q/k norms with them; MLA's ``q_b``/``kv_b`` by heads
+    behind latents computed whole), in place; returns the kind of every LoRA factor
+    (``{module}.lora_A`` / ``.lora_B``) of a split module."""
     tp = parallel.layout.tp
     cfg = model.config
     for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
                     ("MLP width (intermediate_size)", cfg.intermediate_size)):
         if n % tp:
             raise ValueError(f"--tp {tp} must divide the model's {what} ({n})")
+    mla = any(isinstance(m, MultiHeadLatentAttention) for m in model.modules())
+    latent_column = ColumnParallel(parallel.tp_group, copy_input=False)
+    copied = CopiedOutput(parallel.tp_group)
     kinds = {}
     blocks = model.__dict__.setdefault("param_blocks", {})  # read by load_model: what to read of each tensor
     column, row = ColumnParallel(parallel.tp_group), RowParallel(parallel.tp_group)
     for name, mod in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(mod, LoraLinear) and ".layers." in name:
+        if isinstance(mod, MultiHeadLatentAttention):
+            mod.cfg = replace(mod.cfg, num_heads=mod.cfg.num_heads // tp)  # this rank's heads
+        elif isinstance(mod, LoraLinear) and mla and leaf in ("q_a_proj", "kv_a_proj_with_mqa"):
+            mod.shard = copied  # whole on every rank; kind: replicated
+        elif isinstance(mod, LoraLinear) and mla and leaf in ("q_b_proj", "kv_b_proj"):
+            _split(mod, name, parallel, 0, blocks)
+            mod.shard = latent_column
+            kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = PARTIAL, SHARDED_ROWS
+        elif isinstance(mod, LoraLinear) and ".layers." in name:
             if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
                 _split(mod, name, parallel, 0, blocks)
                 mod.shard = column

@@ -150,3 +150,16 @@ def _olmo3():
 def test_olmo3_tp2(tmp_path_factory):
     """Olmo 3 under TP: its RMSNorm over the whole q and k projections sums over the split width."""
     run(2, ep_cases.expert_parallel_step, _saved(_olmo3(), tmp_path_factory, "olmo3"), 1, False, 1e-5, 2)
+
+
+@pytest.mark.parametrize("case", ["deepseek_plain", "glm4_moe_lite"])
+def test_mla_tp2(case, tmp_path_factory):
+    """MLA under TP: q_b/kv_b split by heads behind latents computed whole (their output gradient
+    summed over the group: every head reads the shared rotary key); shared experts split.
+    ``deepseek_plain`` has no query latent (q_proj split like any column-parallel projection);
+    GLM-4.7-Flash (``glm4_moe_lite``) has one."""
+    from tests.parity.test_deepseek_v3 import CASES, build_hf
+
+    family, kw = CASES[case]
+    path = _saved(build_hf(family, **kw), tmp_path_factory, f"{case}_tp")
+    run(2, ep_cases.expert_parallel_step, path, 1, False, 1e-5, 2)

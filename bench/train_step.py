@@ -137,7 +137,8 @@ def _parallel_rank(rank: int, world: int, init: str, args, hf_cfg, seqs, results
 
     from ember.dist.mesh import Parallel
     from ember.dist.parallelize import parallelize
-    from ember.engine.sharded import FanOut, ShardedWorker, follow
+    from ember.engine.ranks import FanOut, follow
+    from ember.engine.sharded import ShardedWorker
 
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)

@@ -711,18 +711,18 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, dtype_name)
     kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank)
     if args.nproc > 1:
-        from ember.engine import sharded
+        from ember.engine import ranks
 
         if args.rank > 0:  # a follower: no store, no doorbell; rank 0's calls until it stops
-            worker = sharded.start_rank(args, dtype, kwargs)
-            sharded.follow(worker, lambda ids: tokenizer_decode(args.model_path)(ids))
+            worker = ranks.start_rank(args, dtype, kwargs)
+            ranks.follow(worker, lambda ids: tokenizer_decode(args.model_path)(ids))
             return 0
     store = Store.open(args.database_url, pool_size=2, run_migrations=False)
     caps = ["train", "sample"] if hasattr(Worker, "sample") else ["train"]
     doorbell = Doorbell()
     store.register_engine(args.base_model, os.getpid(), caps, doorbell.port)
     if args.nproc > 1:
-        worker = sharded.FanOut(sharded.start_rank(args, dtype, kwargs, argv if argv is not None else sys.argv[1:]))
+        worker = ranks.FanOut(ranks.start_rank(args, dtype, kwargs, argv if argv is not None else sys.argv[1:]))
         store.engine_ranks(args.base_model, worker.ranks)
     else:
         worker = Worker.from_pretrained(args.model_path, args.device, dtype, **kwargs)

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from ember.core.optim import AdamParams
 from ember.dist.mesh import Parallel
-from ember.engine.sharded import FanOut, ShardedWorker, follow
+from ember.engine.ranks import FanOut, follow
+from ember.engine.sharded import ShardedWorker
 from ember.engine.worker import Worker
 from ember.types import SampleInput, SamplingParams
 from tests.dist.ep_cases import CONFIGS

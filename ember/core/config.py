@@ -13,7 +13,7 @@ from typing import Any
 
 # families whose attention and MLP ember.dist can split by tensor parallelism (here: torch-free, for
 # ember serve's checks)
-TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo3", "deepseek_v3", "glm4_moe_lite")
+TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo3", "deepseek_v3", "glm4_moe_lite", "qwen3_next")
 
 
 @dataclass(frozen=True)

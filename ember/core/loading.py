@@ -113,8 +113,9 @@ def load_model(
 
     ``parallelize`` shards the model (still on the meta device) before anything is read, so a
     process reads only the weights it holds: the model's ``param_blocks`` (``{parameter name:
-    (dim, start, length)}``, set by :mod:`ember.dist`) name the parameters that hold a block of
-    the checkpoint's tensor (some experts, some rows or columns)."""
+    (dim, start, length)}``, or ``(dim, [(start, length), ...])`` for several pieces, set by
+    :mod:`ember.dist`) name the parameters that hold a block of the checkpoint's tensor (some
+    experts, some rows or columns)."""
     device = torch.device(device)
     cfg = load_config(model_dir)
     model = build_empty(cfg)
@@ -122,13 +123,14 @@ def load_model(
         parallelize(model)
     _materialise(model, device, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
-    blocks: dict[str, tuple[int, int, int]] = getattr(model, "param_blocks", {})
+    blocks: dict[str, tuple] = getattr(model, "param_blocks", {})
 
     def block(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in blocks:
             return t
-        dim, start, n = blocks[name]
-        return t.narrow(dim, start, n)
+        dim, *where = blocks[name]
+        pieces = where[0] if len(where) == 1 else [tuple(where)]
+        return torch.cat([t.narrow(dim, start, n) for start, n in pieces], dim=dim)
     filled: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     shards: dict[str, list[tuple[int, str]]] = defaultdict(list)

@@ -26,6 +26,7 @@ from torch import nn
 
 from dataclasses import replace
 
+from ember.core.layers.gated_deltanet import GatedDeltaNet
 from ember.core.layers.lora import LoraLinear
 from ember.core.layers.mla import MultiHeadLatentAttention
 from ember.dist import comm
@@ -155,6 +156,41 @@ class ShardedRMSNorm(nn.Module):
         return _ShardedRMSNormFn.apply(x, self.weight, self.eps, self.width, self.group)
 
 
+def _narrowed(p: torch.Tensor, pieces: list[tuple[int, int]]) -> nn.Parameter:
+    return nn.Parameter(torch.cat([p.data.narrow(0, s, n) for s, n in pieces]).clone(), requires_grad=False)
+
+
+def _shard_gated_deltanet(mod, name, parallel, blocks, kinds, column, row) -> None:
+    """Qwen3-Next's Gated DeltaNet by key heads (with their value heads): ``in_proj_qkvz`` and
+    ``in_proj_ba`` hold their rows per key head, so a contiguous block of rows is a block of heads;
+    the short convolution's channels ([q | k | v] over all heads) are three pieces; the per-head
+    ``A_log`` and ``dt_bias`` one; ``out_proj`` row-parallel."""
+    s, tp = mod.shape, parallel.layout.tp
+    if not mod.fused_projections:
+        raise ValueError(f"--tp: {name} has separate q/k/v projections (Qwen3.8-Flash-Next); only Qwen3-Next's "
+                         "fused layout is split so far")
+    if s.num_k_heads % tp:
+        raise ValueError(f"--tp {tp} must divide {name}'s key heads ({s.num_k_heads})")
+    for leaf in ("in_proj_qkvz", "in_proj_ba"):
+        lin = getattr(mod, leaf)
+        _split(lin, f"{name}.{leaf}", parallel, 0, blocks)
+        lin.shard = column
+        kinds[f"{name}.{leaf}.lora_A"], kinds[f"{name}.{leaf}.lora_B"] = PARTIAL, SHARDED_ROWS
+    _split(mod.out_proj, f"{name}.out_proj", parallel, 1, blocks)
+    mod.out_proj.shard = row
+    kinds[f"{name}.out_proj.lora_A"], kinds[f"{name}.out_proj.lora_B"] = SHARDED_COLS, PARTIAL
+    k0, k1 = parallel.layout.tp_range(s.num_k_heads)
+    v0, v1 = parallel.layout.tp_range(s.num_v_heads)
+    dk, dv = s.head_k_dim, s.head_v_dim
+    conv = [(k0 * dk, (k1 - k0) * dk), (s.key_dim + k0 * dk, (k1 - k0) * dk), (2 * s.key_dim + v0 * dv, (v1 - v0) * dv)]
+    mod.conv1d.weight = _narrowed(mod.conv1d.weight, conv)
+    blocks[f"{name}.conv1d.weight"] = (0, conv)
+    for p in ("A_log", "dt_bias"):
+        setattr(mod, p, _narrowed(getattr(mod, p), [(v0, v1 - v0)]))
+        blocks[f"{name}.{p}"] = (0, v0, v1 - v0)
+    mod.shape = replace(s, num_k_heads=k1 - k0, num_v_heads=v1 - v0)
+
+
 def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
     """Split the attention and dense-MLP projections (q/k/v and gate/up column-parallel, o and
     down row-parallel; Olmo 3's whole-width q/k norms with them; MLA's ``q_b``/``kv_b`` by heads
@@ -191,6 +227,8 @@ def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
                 _split(mod, name, parallel, 1, blocks)
                 mod.shard = row
                 kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = SHARDED_COLS, PARTIAL
+        elif isinstance(mod, GatedDeltaNet):
+            _shard_gated_deltanet(mod, name, parallel, blocks, kinds, column, row)
         elif leaf == "self_attn" and cfg.model_type == "olmo3":
             for norm in ("q_norm", "k_norm"):
                 start, end = parallel.layout.tp_range(getattr(mod, norm).weight.shape[0])

@@ -144,11 +144,13 @@ def expert_parallel_step(
     if ep > 1:
         assert any(".experts." in n for n in ref_bank.get(1).grads())
 
-    hp = AdamParams(learning_rate=1e-2, grad_clip_norm=0.5)
+    # eps=1: the update stays linear in the gradient (with eps~0 it is ±lr, and a gradient within
+    # rounding of zero could flip its sign)
+    hp = AdamParams(learning_rate=1e-2, eps=1.0, grad_clip_norm=0.5)
     for s in slots:
         want = ref_bank.get(s).optimizer.step(hp)["grad_norm"]
         got = dist_adapters.optim_step(bank.get(s), hp, par)["grad_norm"]
-        assert abs(got - want) <= 1e-5 * max(1.0, want), (got, want)
+        assert abs(got - want) <= max(1e-5, grad_rtol) * max(1.0, want), (got, want)
         values = dist_adapters.full_tensors(bank.get(s).tensors(), par)
         for name, t in ref_bank.get(s).tensors().items():
             torch.testing.assert_close(values[name], t, **TOL)

@@ -31,11 +31,16 @@ EXPERT = "expert"
 _SHARDED_BY = {EXPERT: ("ep_group", 0), SHARDED_ROWS: ("tp_group", 0), SHARDED_COLS: ("tp_group", 1)}
 
 
+def _base(name: str) -> str:
+    """The factor an optimizer-state name belongs to (``….lora_A.exp_avg`` → ``….lora_A``)."""
+    return name.rsplit(".", 1)[0] if name.endswith((".exp_avg", ".exp_avg_sq")) else name
+
+
 def factor_kind(name: str, t: torch.Tensor, parallel: Parallel) -> str:
     """How ``name`` (``{module}.lora_A`` / ``.lora_B``, optionally ``.exp_avg``…) is split."""
     if name.endswith(".step"):  # Adam's step count: one number, the same everywhere
         return REPLICATED
-    base = name.rsplit(".", 1)[0] if name.endswith((".exp_avg", ".exp_avg_sq")) else name
+    base = _base(name)
     kinds = getattr(parallel, "factor_kinds", {})
     if base in kinds:
         return kinds[base]
@@ -116,6 +121,10 @@ def full_tensors(values: dict[str, torch.Tensor], parallel: Parallel) -> dict[st
             group_name, dim = _SHARDED_BY[kind]
             group = getattr(parallel, group_name)
             t = comm.all_gather(t.transpose(0, dim).contiguous(), group).transpose(0, dim)
+            pieces = getattr(parallel, "factor_pieces", {}).get(_base(name))
+            if pieces:  # rank blocks of [piece 0 | piece 1 | …] → [piece 0 of every rank | …]
+                blocks = [b.split(pieces) for b in t.chunk(parallel.layout.tp)]
+                t = torch.cat([b[p] for p in range(len(pieces)) for b in blocks])
         out[name] = t
     return out
 
@@ -130,8 +139,13 @@ def local_tensors(values: dict[str, torch.Tensor], parallel: Parallel) -> dict[s
             t = t[start:end]
         elif kind in (SHARDED_ROWS, SHARDED_COLS):
             dim = _SHARDED_BY[kind][1]
-            start, end = parallel.layout.tp_range(t.shape[dim])
-            t = t.narrow(dim, start, end - start)
+            pieces = getattr(parallel, "factor_pieces", {}).get(_base(name))
+            if pieces:
+                tp, r = parallel.layout.tp, parallel.layout.tp_rank
+                t = torch.cat([p.chunk(tp)[r] for p in t.split([n * tp for n in pieces])])
+            else:
+                start, end = parallel.layout.tp_range(t.shape[dim])
+                t = t.narrow(dim, start, end - start)
         out[name] = t
     return out
 

@@ -16,14 +16,15 @@ def parallelize(model: CausalLM, parallel: Parallel) -> CausalLM:
     (expert parallelism), its part of the attention heads and MLP width (tensor parallelism).
     Call it on the meta device, before loading, so that each rank reads only its own weights
     (:func:`ember.core.loading.load_model`'s ``parallelize``). Records the kind of every split LoRA
-    factor on ``parallel`` (``factor_kinds``, read by :mod:`ember.dist.adapters`)."""
-    parallel.factor_kinds = {}
+    factor on ``parallel`` (``factor_kinds``, and ``factor_pieces`` for factors made of several
+    pieces; read by :mod:`ember.dist.adapters`)."""
+    parallel.factor_kinds, parallel.factor_pieces = {}, {}
     if parallel.layout.ep > 1:
         shard_experts(model, parallel)
     if parallel.layout.tp > 1:
         if model.config.model_type not in TP_FAMILIES:
             raise ValueError(f"--tp is built for {', '.join(TP_FAMILIES)} so far, not {model.config.model_type}")
-        parallel.factor_kinds = shard_linears(model, parallel)
+        parallel.factor_kinds, parallel.factor_pieces = shard_linears(model, parallel)
     if parallel.world > 1:
         model.model.embed_tokens.register_forward_hook(_track_gradients)
     return model

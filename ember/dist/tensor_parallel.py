@@ -160,18 +160,36 @@ def _narrowed(p: torch.Tensor, pieces: list[tuple[int, int]]) -> nn.Parameter:
     return nn.Parameter(torch.cat([p.data.narrow(0, s, n) for s, n in pieces]).clone(), requires_grad=False)
 
 
-def _shard_gated_deltanet(mod, name, parallel, blocks, kinds, column, row) -> None:
-    """Qwen3-Next's Gated DeltaNet by key heads (with their value heads): ``in_proj_qkvz`` and
+def _split_rows(mod: LoraLinear, name: str, pieces: list[tuple[int, int]], blocks: dict) -> None:
+    """Keep rows ``pieces`` (``(start, length)``, in order) of a column-parallel linear."""
+    mod.weight = _narrowed(mod.weight, pieces)
+    mod.out_features = sum(n for _, n in pieces)
+    blocks[f"{name}.weight"] = (0, pieces)
+
+
+def _shard_gated_deltanet(mod, name, parallel, blocks, kinds, pieces, column, row) -> None:
+    """Gated DeltaNet by key heads (with their value heads). Qwen3-Next's fused ``in_proj_qkvz`` and
     ``in_proj_ba`` hold their rows per key head, so a contiguous block of rows is a block of heads;
-    the short convolution's channels ([q | k | v] over all heads) are three pieces; the per-head
-    ``A_log`` and ``dt_bias`` one; ``out_proj`` row-parallel."""
+    Qwen3.8-Flash-Next's ``in_proj_qkv`` ([q | k | v] over all heads) is three pieces, as is the
+    short convolution's channels; ``in_proj_z/b/a``, ``A_log`` and ``dt_bias`` are per value head;
+    ``out_proj`` is row-parallel."""
     s, tp = mod.shape, parallel.layout.tp
-    if not mod.fused_projections:
-        raise ValueError(f"--tp: {name} has separate q/k/v projections (Qwen3.8-Flash-Next); only Qwen3-Next's "
-                         "fused layout is split so far")
-    if s.num_k_heads % tp:
-        raise ValueError(f"--tp {tp} must divide {name}'s key heads ({s.num_k_heads})")
-    for leaf in ("in_proj_qkvz", "in_proj_ba"):
+    for what, n in (("key heads", s.num_k_heads), ("value heads", s.num_v_heads)):
+        if n % tp:
+            raise ValueError(f"--tp {tp} must divide {name}'s {what} ({n})")
+    k0, k1 = parallel.layout.tp_range(s.num_k_heads)
+    v0, v1 = parallel.layout.tp_range(s.num_v_heads)
+    dk, dv = s.head_k_dim, s.head_v_dim
+    qkv = [(k0 * dk, (k1 - k0) * dk), (s.key_dim + k0 * dk, (k1 - k0) * dk), (2 * s.key_dim + v0 * dv, (v1 - v0) * dv)]
+    if mod.fused_projections:
+        contiguous = ("in_proj_qkvz", "in_proj_ba")
+    else:
+        contiguous = ("in_proj_z", "in_proj_b", "in_proj_a")
+        _split_rows(mod.in_proj_qkv, f"{name}.in_proj_qkv", qkv, blocks)
+        mod.in_proj_qkv.shard = column
+        kinds[f"{name}.in_proj_qkv.lora_A"], kinds[f"{name}.in_proj_qkv.lora_B"] = PARTIAL, SHARDED_ROWS
+        pieces[f"{name}.in_proj_qkv.lora_B"] = [n for _, n in qkv]
+    for leaf in contiguous:
         lin = getattr(mod, leaf)
         _split(lin, f"{name}.{leaf}", parallel, 0, blocks)
         lin.shard = column
@@ -179,23 +197,20 @@ def _shard_gated_deltanet(mod, name, parallel, blocks, kinds, column, row) -> No
     _split(mod.out_proj, f"{name}.out_proj", parallel, 1, blocks)
     mod.out_proj.shard = row
     kinds[f"{name}.out_proj.lora_A"], kinds[f"{name}.out_proj.lora_B"] = SHARDED_COLS, PARTIAL
-    k0, k1 = parallel.layout.tp_range(s.num_k_heads)
-    v0, v1 = parallel.layout.tp_range(s.num_v_heads)
-    dk, dv = s.head_k_dim, s.head_v_dim
-    conv = [(k0 * dk, (k1 - k0) * dk), (s.key_dim + k0 * dk, (k1 - k0) * dk), (2 * s.key_dim + v0 * dv, (v1 - v0) * dv)]
-    mod.conv1d.weight = _narrowed(mod.conv1d.weight, conv)
-    blocks[f"{name}.conv1d.weight"] = (0, conv)
+    mod.conv1d.weight = _narrowed(mod.conv1d.weight, qkv)
+    blocks[f"{name}.conv1d.weight"] = (0, qkv)
     for p in ("A_log", "dt_bias"):
         setattr(mod, p, _narrowed(getattr(mod, p), [(v0, v1 - v0)]))
         blocks[f"{name}.{p}"] = (0, v0, v1 - v0)
     mod.shape = replace(s, num_k_heads=k1 - k0, num_v_heads=v1 - v0)
 
 
-def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
+def shard_linears(model: nn.Module, parallel: Parallel) -> tuple[dict[str, str], dict[str, list[int]]]:
     """Split the attention and dense-MLP projections (q/k/v and gate/up column-parallel, o and
     down row-parallel; Olmo 3's whole-width q/k norms with them; MLA's ``q_b``/``kv_b`` by heads
-    behind latents computed whole), in place; returns the kind of every LoRA factor
-    (``{module}.lora_A`` / ``.lora_B``) of a split module."""
+    behind latents computed whole; Gated DeltaNet by key heads), in place. Returns the kind of
+    every LoRA factor (``{module}.lora_A`` / ``.lora_B``) of a split module, and for a factor whose
+    rows are several pieces of the whole (``[q | k | v]``), this rank's length of each piece."""
     tp = parallel.layout.tp
     cfg = model.config
     for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
@@ -205,7 +220,7 @@ def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
     mla = any(isinstance(m, MultiHeadLatentAttention) for m in model.modules())
     latent_column = ColumnParallel(parallel.tp_group, copy_input=False)
     copied = CopiedOutput(parallel.tp_group)
-    kinds = {}
+    kinds, pieces = {}, {}
     blocks = model.__dict__.setdefault("param_blocks", {})  # read by load_model: what to read of each tensor
     column, row = ColumnParallel(parallel.tp_group), RowParallel(parallel.tp_group)
     for name, mod in list(model.named_modules()):
@@ -228,10 +243,10 @@ def shard_linears(model: nn.Module, parallel: Parallel) -> dict[str, str]:
                 mod.shard = row
                 kinds[f"{name}.lora_A"], kinds[f"{name}.lora_B"] = SHARDED_COLS, PARTIAL
         elif isinstance(mod, GatedDeltaNet):
-            _shard_gated_deltanet(mod, name, parallel, blocks, kinds, column, row)
+            _shard_gated_deltanet(mod, name, parallel, blocks, kinds, pieces, column, row)
         elif leaf == "self_attn" and cfg.model_type == "olmo3":
             for norm in ("q_norm", "k_norm"):
                 start, end = parallel.layout.tp_range(getattr(mod, norm).weight.shape[0])
                 setattr(mod, norm, ShardedRMSNorm(getattr(mod, norm), start, end, parallel.tp_group))
                 blocks[f"{name}.{norm}.weight"] = (0, start, end - start)
-    return kinds
+    return kinds, pieces

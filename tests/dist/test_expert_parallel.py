@@ -171,3 +171,10 @@ def test_qwen3_next_tp2(tmp_path_factory):
     Gradients within 1e-4: the decay gates amplify the split products' fp32 rounding (seen: up to
     3.4e-5 on one factor, 2.4e-5 on the global norm; a missing reduction shows as > 1e-1)."""
     run(2, ep_cases.expert_parallel_step, _saved(_qwen3_next(), tmp_path_factory, "qwen3_next_tp"), 1, False, 1e-4, 2)
+
+
+def test_qwen4_exp_tp2(tmp_path_factory):
+    """qwen4_exp under TP: Gated DeltaNet's separate [q | k | v] projection and convolution split in
+    three pieces per rank (checkpoints reassemble the pieces), gated attention with the QSA indexer
+    (replicated) by heads, the n-gram memory replicated. Gradients within 1e-4 as for Qwen3-Next."""
+    run(2, ep_cases.expert_parallel_step, _saved(_qwen4_exp(), tmp_path_factory, "qwen4_tp"), 1, False, 1e-4, 2)

@@ -209,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                        "must divide --nproc and the number of experts (default 1)")
     serve.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: --tp consecutive processes split the attention heads and MLP "
-                       "width (Llama, Qwen3, Olmo 3, DeepSeek-V3/GLM-4.7-Flash); must divide --nproc, the heads and the width "
-                       "(default 1)")
+                       "width (every family but Inkling2); must divide --nproc, the heads and the width (default 1)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

@@ -890,3 +890,41 @@ def median(xs: list[float]) -> float:
 
 def gib(n_bytes: float) -> float:
     return n_bytes / 2**30
+
+
+def _rank_entry(rank: int, world: int, init: str, results, target, args) -> None:
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        out = target(rank, world, *args)
+        if rank == 0:
+            results.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(nproc: int, target: Callable, *args) -> dict:
+    """``target(rank, world, *args)`` on ``nproc`` spawned processes joined in a process group (one
+    GPU each, NCCL; gloo on the CPU); returns rank 0's result (a dict), or an error."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_entry, args=(r, nproc, f"file://{tmp}/pg", results, target, args))
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    if any(p.exitcode for p in procs):
+        return {"error": f"ranks exited with {[p.exitcode for p in procs]}"}
+    return results.get()

@@ -57,6 +57,7 @@ from bench.common import (
     hf_model_like,
     peft_model_like,
     random_ember_model,
+    run_ranks,
     sync,
     token_vocab,
 )
@@ -243,52 +244,24 @@ def run_hf(model, hf_cfg, prompts, new: int, rank: int) -> dict:
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cache": cache or "dynamic"}
 
 
-def _parallel_rank(rank: int, world: int, init: str, args, hf_cfg, prompts, results) -> None:
-    import torch.distributed as dist
-
+def _parallel_rank(rank: int, world: int, args, hf_cfg, prompts) -> dict:
     from ember.dist.expert_parallel import set_mode
     from ember.dist.mesh import Parallel
     from ember.dist.parallelize import parallelize
 
-    if DEVICE == "cuda":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", init_method=init, rank=rank,
-                            world_size=world)
-    try:
-        par = Parallel(args.ep, args.tp)
-        device = f"cuda:{rank}" if DEVICE == "cuda" else "cpu"
-        model = random_ember_model(hf_cfg, device, DTYPE, seed=0, parallelize=lambda m: parallelize(m, par))
-        set_mode(model, "replicated")  # every rank runs the same sequences, as the engine samples
-        r = run_ember(model, prompts, args.new, 1, 1, 1, args.rank, not args.no_graphs, None)
-        if rank == 0:
-            results.put({**r, "gpus": world})
-    finally:
-        dist.destroy_process_group()
+    par = Parallel(args.ep, args.tp)
+    device = f"cuda:{rank}" if DEVICE == "cuda" else "cpu"
+    model = random_ember_model(hf_cfg, device, DTYPE, seed=0, parallelize=lambda m: parallelize(m, par))
+    set_mode(model, "replicated")  # every rank runs the same sequences, as the engine samples
+    return {**run_ember(model, prompts, args.new, 1, 1, 1, args.rank, not args.no_graphs, None), "gpus": world}
 
 
 def run_parallel(args, hf_cfg, prompts) -> dict:
     """a-par: workload a on --nproc processes running the same sequences (each rank its part of the
     weights: the floor is per GPU)."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     if args.ep == 1 and args.tp == 1:
         raise SystemExit("a-par needs --ep or --tp above 1")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_parallel_rank, args=(r, args.nproc, f"file://{tmp}/pg", args, hf_cfg, prompts,
-                                                          results)) for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-    if any(p.exitcode for p in procs):
-        return {"error": f"ranks exited with {[p.exitcode for p in procs]}"}
-    return results.get()
+    return run_ranks(args.nproc, _parallel_rank, args, hf_cfg, prompts)
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ from bench.common import (
     median,
     peft_model_like,
     random_ember_model,
+    run_ranks,
     sync,
     time_steps,
     token_vocab,
@@ -132,76 +133,50 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
     }
 
 
-def _parallel_rank(rank: int, world: int, init: str, args, hf_cfg, seqs, results) -> None:
-    import torch.distributed as dist
-
+def _parallel_rank(rank: int, world: int, args, hf_cfg, seqs) -> dict | None:
     from ember.dist.mesh import Parallel
     from ember.dist.parallelize import parallelize
     from ember.engine.ranks import FanOut, follow
     from ember.engine.sharded import ShardedWorker
 
-    if DEVICE == "cuda":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (torch.get_num_threads()) // world))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", init_method=init, rank=rank,
-                            world_size=world)
     par = Parallel(args.ep, args.tp)
     device = f"cuda:{rank}" if DEVICE == "cuda" else "cpu"
     model = random_ember_model(hf_cfg, device, DTYPE, seed=0, parallelize=lambda m: parallelize(m, par))
     worker = ShardedWorker(model, par, max_adapters=1, max_rank=max(64, args.rank))
-    try:
-        if rank:
-            follow(worker)
-            return
-        fan = FanOut(worker)
-        slot = fan.create_adapter(LoraConfig(rank=args.rank, alpha=32.0, targets=frozenset(("attn", "mlp"))))
-        reqs = requests([slot], seqs)
-        losses = []
+    if rank:
+        follow(worker)
+        return None
+    fan = FanOut(worker)
+    slot = fan.create_adapter(LoraConfig(rank=args.rank, alpha=32.0, targets=frozenset(("attn", "mlp"))))
+    reqs = requests([slot], seqs)
+    losses = []
 
-        def step():
-            losses.append(sum(o.metrics["loss:sum"] for o in fan.forward_backward(reqs)))
-            fan.optim_step(slot, HP)
+    def step():
+        losses.append(sum(o.metrics["loss:sum"] for o in fan.forward_backward(reqs)))
+        fan.optim_step(slot, HP)
 
-        meter = MemoryMeter()
-        meter.start()
-        times = time_steps(step, args.warmup, args.iters)
-        mem = meter.stop()
-        comm_s = None
-        if DEVICE == "cuda":
-            from torch.profiler import ProfilerActivity, profile
+    meter = MemoryMeter()
+    meter.start()
+    times = time_steps(step, args.warmup, args.iters)
+    mem = meter.stop()
+    comm_s = None
+    if DEVICE == "cuda":
+        from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step()
-                sync()
-            comm_s = sum(e.self_device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e6
-        fan.stop()
-        results.put({"step_s": median(times), "times": times, **mem, "comm_s_per_step": comm_s, "gpus": world,
-                     "first_loss_per_token": losses[0] / sum(len(s) - 1 for s in seqs)})
-    finally:
-        dist.destroy_process_group()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            sync()
+        comm_s = sum(e.self_device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e6
+    fan.stop()
+    return {"step_s": median(times), "times": times, **mem, "comm_s_per_step": comm_s, "gpus": world,
+            "first_loss_per_token": losses[0] / sum(len(s) - 1 for s in seqs)}
 
 
 def run_parallel(args, hf_cfg, seqs) -> dict:
     """ember-par: the step on --nproc processes (rank 0 drives, the others follow)."""
     if args.ep == 1 and args.tp == 1:
         raise SystemExit("ember-par needs --ep or --tp above 1")
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_parallel_rank, args=(r, args.nproc, f"file://{tmp}/pg", args, hf_cfg, seqs, results))
-                 for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-    if any(p.exitcode for p in procs):
-        return {"error": f"ranks exited with {[p.exitcode for p in procs]}"}
-    return results.get()
+    return run_ranks(args.nproc, _parallel_rank, args, hf_cfg, seqs)
 
 
 def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):

@@ -1,4 +1,4 @@
-"""Bodies of the expert-parallel tests, run on every rank (:mod:`tests.dist.launch`).
+"""Bodies of the expert-parallel tests, run on every rank (:mod:`tests.parallel.launch`).
 
 Each rank loads its block of experts, runs its share of a batch that mixes adapters, and checks
 against the single-process model, which every rank also builds (fp32, tolerance 1e-5)."""

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.dist import ep_cases
-from tests.dist.launch import run
+from tests.parallel import ep_cases
+from tests.parallel.launch import run
 from tests.tiny_models import build_hf_model, save_hf_model
 
 
@@ -74,7 +74,7 @@ def test_sharded_worker_matches_one_process(qwen3_moe_dir, tmp_path):
     """The engine's worker at EP=2: checkpoints loaded by block, a mixed training pass (several
     losses, forward-only requests, a request that fails alone), clipped AdamW, checkpoints written
     whole (weights and Adam moments equal one process's, loadable by one process), seeded sampling."""
-    from tests.dist import worker_cases
+    from tests.parallel import worker_cases
 
     run(2, worker_cases.sharded_worker_matches_one_process, qwen3_moe_dir, str(tmp_path), 2)
 
@@ -92,7 +92,7 @@ def test_large_layouts_hold_one_ep_th_of_the_experts(shape, world, ep, rank):
 
     from tests.live_server import REPO
 
-    out = subprocess.run([sys.executable, "-m", "tests.dist.plan_cases", shape, str(world), str(ep), str(rank)],
+    out = subprocess.run([sys.executable, "-m", "tests.parallel.plan_cases", shape, str(world), str(ep), str(rank)],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     got = json.loads(out.strip().splitlines()[-1])
     whole = got["whole"]
@@ -126,7 +126,7 @@ def test_qwen3_moe_tp2(qwen3_moe_dir):
 
 def test_sharded_worker_tp2_matches_one_process(qwen3_moe_dir, tmp_path):
     """The same at TP=2 (attention split, experts whole on both ranks)."""
-    from tests.dist import worker_cases
+    from tests.parallel import worker_cases
 
     run(2, worker_cases.sharded_worker_matches_one_process, qwen3_moe_dir, str(tmp_path), 1, 2)
 

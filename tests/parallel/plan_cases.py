@@ -1,5 +1,5 @@
 """Layouts too large to run here (32 ranks), checked on the meta device with a fake process group:
-each rank's shapes, and the bytes it holds. ``python -m tests.dist.plan_cases SHAPE WORLD EP RANK``
+each rank's shapes, and the bytes it holds. ``python -m tests.parallel.plan_cases SHAPE WORLD EP RANK``
 prints one JSON line (run in its own process: it initialises torch.distributed)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A sharded engine's worker (rank 0 a :class:`FanOut`, the others following) against one process:
-run on every rank by :mod:`tests.dist.launch`."""
+run on every rank by :mod:`tests.parallel.launch`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ember.engine.ranks import FanOut, follow
 from ember.engine.sharded import ShardedWorker
 from ember.engine.worker import Worker
 from ember.types import SampleInput, SamplingParams
-from tests.dist.ep_cases import CONFIGS
+from tests.parallel.ep_cases import CONFIGS
 from tests.lora_helpers import randomise
 from tests.tiny_models import random_sequences
 from tests.unit.test_mixed_batch import _request

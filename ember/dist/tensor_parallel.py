@@ -112,7 +112,7 @@ def _split(mod: LoraLinear, name: str, parallel: Parallel, dim: int, blocks: dic
     mod.weight = nn.Parameter(w, requires_grad=False)
     blocks[f"{name}.weight"] = (dim, start, end - start)
     if dim == 0:
-        mod.out_features, mod.out_start, mod.full_out_features = end - start, start, full
+        mod.out_features = end - start
         if mod.bias is not None:
             mod.bias = nn.Parameter(mod.bias.data[start:end].clone(), requires_grad=False)
             blocks[f"{name}.bias"] = (0, start, end - start)

@@ -10,10 +10,10 @@ import torch
 from ember.core.adapters import AdapterBank, LoraConfig
 from ember.core.batch import pack
 from ember.core.layers.attention import PackedAttention
+from ember.core.layers.moe import RoutingRecord
 from ember.core.loading import load_model
 from ember.core.logprobs import token_logprobs
 from ember.core.models.base import ForwardContext
-from ember.core.layers.moe import RoutingRecord
 from ember.core.optim import AdamParams
 from ember.dist import adapters as dist_adapters
 from ember.dist import comm
@@ -113,7 +113,7 @@ def expert_parallel_step(
     _loss(per_ref).backward()
 
     mine = [i for i in range(len(seqs)) if i % dp == dp_rank]
-    lp, batch = _forward(model, bank, [seqs[i] for i in mine], [keys[i] for i in mine], step_keys, routing)
+    lp, _ = _forward(model, bank, [seqs[i] for i in mine], [keys[i] for i in mine], step_keys, routing)
     sizes = [sum(len(seqs[i]) - 1 for i in range(len(seqs)) if i % dp == r) for r in range(dp)]
     if not mine:
         lp = lp[:0]

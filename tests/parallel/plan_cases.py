@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from bench.common import SHAPES, ember_config
-from ember.core.adapters import AdapterBank, LoraConfig, _factor_shapes
+from ember.core.adapters import AdapterBank, _factor_shapes
 from ember.core.layers.moe import Experts
 from ember.core.loading import build_empty
 from ember.dist.mesh import Parallel

@@ -16,8 +16,8 @@ from ember.engine.ranks import FanOut, follow
 from ember.engine.sharded import ShardedWorker
 from ember.engine.worker import Worker
 from ember.types import SampleInput, SamplingParams
-from tests.parallel.ep_cases import CONFIGS
 from tests.lora_helpers import randomise
+from tests.parallel.ep_cases import CONFIGS
 from tests.tiny_models import random_sequences
 from tests.unit.test_mixed_batch import _request
 

@@ -220,7 +220,7 @@ class LoraLinear(nn.Module):
     ``shard`` (default ``None``) is set from outside when the weight is split across processes
     (:mod:`ember.dist.tensor_parallel`): ``shard(self, x, lora)`` then runs the product with the
     collectives its split needs. A module split along its input holds columns ``in_start ..`` of
-    ``full_in_features``; one split along its output, rows ``out_start ..`` of ``full_out_features``."""
+    ``full_in_features``."""
 
     shard = None
 
@@ -230,8 +230,6 @@ class LoraLinear(nn.Module):
         self.out_features = out_features
         self.full_in_features = in_features
         self.in_start = 0
-        self.full_out_features = out_features
-        self.out_start = 0
         self.category = category
         self.lora_name = ""
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)

@@ -69,7 +69,7 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int) -> None:
             if cfg.model_type not in TP_FAMILIES:
                 raise ValueError(f"--tp is built for {', '.join(TP_FAMILIES)} so far, not {cfg.model_type} ({name!r})")
             for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
-                            ("MLP width", cfg.intermediate_size)):
+                            ("MLP width", cfg.intermediate_size), ("vocabulary entries", cfg.vocab_size)):
                 if n % tp:
                     raise ValueError(f"--tp {tp} must divide the {n} {what} of {name!r}")
 

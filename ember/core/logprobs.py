@@ -14,9 +14,18 @@ Gradients. With ``p`` the softmax, ``f = 1 - tanh²`` the softcap's derivative (
 When only ``hidden`` needs a gradient (frozen head, no head LoRA: the common LoRA case), the forward
 pass stores ``(p ⊙ f) @ W`` (``[T, H]``) and the backward needs no vocabulary-sized work at all: one
 head product fewer than recomputing the logits. Otherwise the backward recomputes each chunk.
+
+Vocabulary parallelism. With a :class:`VocabSplit` each process holds rows ``start..stop`` of the
+head (and of its LoRA ``B``) and computes only those logits. Per chunk, one all-gather of each
+row's local log-sum-exp and local target logit gives the global ones; the softmax of the local
+logits under the global log-sum-exp is the local part of ``p``, so ``d logits`` stays local and
+``d hidden`` (and the head LoRA's ``d(hA)``) are partial sums, added once in the backward. No
+process ever holds a row of logits over the whole vocabulary.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -27,6 +36,28 @@ from ember.core.layers.lora import LoraRoute
 CHUNK_ELEMENTS = 1 << 28
 # LM-head rows gathered at once for the targets' gradient (fp32: 256 MiB)
 GATHER_ELEMENTS = 1 << 26
+
+
+class VocabSplit(Protocol):
+    """The LM head split by vocabulary across processes (set on a model from outside, by
+    :mod:`ember.dist.tensor_parallel`): this process holds rows ``start..stop`` of ``size``. Every
+    method is a collective of the processes that split the vocabulary."""
+
+    start: int
+    stop: int
+    size: int
+
+    def local(self, weight: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a head matrix (``weight`` itself if it holds only those)."""
+        ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every process's ``x`` stacked: ``[processes, *x.shape]`` (no autograd)."""
+        ...
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the processes, in place (no autograd)."""
+        ...
 
 
 def default_chunk(vocab: int) -> int:
@@ -106,20 +137,43 @@ def scaled_softmax(
     return p.to(dtype)
 
 
-def _gathered(logits, targets, softcap, inv_t):
+def _gathered(logits, targets, softcap, inv_t, mine=None):
     """The (capped, tempered) logits at ``targets`` and their derivative factor w.r.t. the raw
-    logits (``f · inv_t``; None when both are 1)."""
+    logits (``f · inv_t``; None when both are 1). ``mine``: which targets are rows of this
+    process's vocabulary (the others read as 0, with factor 0)."""
     zt, ft = apply_softcap(logits.gather(1, targets), softcap)
-    if inv_t is None:
-        return zt, ft
-    it = inv_t[:, None].to(zt.dtype)
-    return zt * it, it.expand_as(zt) if ft is None else ft * it
+    if inv_t is not None:
+        it = inv_t[:, None].to(zt.dtype)
+        zt, ft = zt * it, it.expand_as(zt) if ft is None else ft * it
+    if mine is not None:
+        zero = zt.new_zeros(())
+        zt = torch.where(mine, zt, zero)
+        ft = torch.where(mine, zero + 1 if ft is None else ft, zero)
+    return zt, ft
+
+
+def _local_targets(targets: torch.Tensor, vocab: VocabSplit | None):
+    """Targets as rows of this process's head, and which of them it holds (None: all)."""
+    if vocab is None:
+        return targets, None
+    local = targets - vocab.start
+    mine = (local >= 0) & (local < vocab.stop - vocab.start)
+    return torch.where(mine, local, torch.zeros_like(local)), mine
+
+
+def _global_lse(lse: torch.Tensor, zt: torch.Tensor, vocab: VocabSplit | None):
+    """The log-sum-exp and target logits over the whole vocabulary from each process's part."""
+    if vocab is None:
+        return lse, zt
+    parts = vocab.gather(torch.cat([lse[:, None], zt], dim=1))  # [processes, C, 1 + K]
+    return torch.logsumexp(parts[:, :, 0], dim=0), parts[:, :, 1:].sum(0)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, softcap, inv_t, bounds, *lora_tensors):
+    def forward(ctx, hidden, weight, targets, chunk, softcap, inv_t, vocab, bounds, *lora_tensors):
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
+        targets, mine = _local_targets(targets, vocab)
         T = hidden.shape[0]
         acc = _acc_dtype(hidden)
         out = torch.empty(targets.shape, dtype=acc, device=hidden.device)
@@ -133,8 +187,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             c1 = min(T, c0 + chunk)
             it = None if inv_t is None else inv_t[c0:c1]
             logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
-            lse[c0:c1] = row_logsumexp(logits, softcap, it)
-            zt, ft = _gathered(logits, targets[c0:c1], softcap, it)
+            zt, ft = _gathered(logits, targets[c0:c1], softcap, it, None if mine is None else mine[c0:c1])
+            lse[c0:c1], zt = _global_lse(row_logsumexp(logits, softcap, it), zt, vocab)
             out[c0:c1] = zt - lse[c0:c1, None]
             if precompute:
                 scale = ones[c0:c1] if it is None else it.to(acc)
@@ -150,6 +204,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, targets, lse, *lora_tensors)
         ctx.chunk, ctx.softcap, ctx.bounds, ctx.hidden_dtype, ctx.inv_t = chunk, softcap, bounds, hidden.dtype, inv_t
+        ctx.vocab, ctx.mine = vocab, mine
         return out
 
     @staticmethod
@@ -165,7 +220,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for c0 in range(0, targets.shape[0], step):
                 rows = weight.index_select(0, targets[c0 : c0 + step].reshape(-1)).view(-1, K, H).to(pw.dtype)
                 grad_h[c0 : c0 + step] += torch.bmm(coef[c0 : c0 + step, None, :], rows)[:, 0]
-            return (grad_h.to(ctx.hidden_dtype), None, None, None, None, None, None)
+            if ctx.vocab is not None:  # each process's part of the vocabulary
+                ctx.vocab.sum_(grad_h)
+            return (grad_h.to(ctx.hidden_dtype), None, None, None, None, None, None, None)
         hidden, weight, targets, lse, *lora_tensors = ctx.saved_tensors
         chunk, softcap, bounds = ctx.chunk, ctx.softcap, ctx.bounds
         lora_parts = [(s, e, lora_tensors[2 * i], lora_tensors[2 * i + 1]) for i, (s, e) in enumerate(bounds)]
@@ -182,7 +239,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
             g = grad_out[c0:c1]
             tgt = targets[c0:c1]
-            ft = _gathered(logits, tgt, softcap, it)[1]
+            ft = _gathered(logits, tgt, softcap, it, None if ctx.mine is None else ctx.mine[c0:c1])[1]
             row = -g.sum(-1) if it is None else -g.sum(-1) * it.to(acc)
             d = scaled_softmax(logits, lse[c0:c1], row, softcap, hidden.dtype, it)
             del logits
@@ -199,10 +256,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_lora[2 * i][s - start : e - start] = _mm_acc(ds.to(B.dtype), B, acc)
                 grad_lora[2 * i + 1] += _mm_acc(ds.T.to(hA.dtype), hA[s - start : e - start], acc)
             del d
+        if ctx.vocab is not None:
+            # d hidden and each head LoRA's d(hA) are partial sums over the vocabulary's parts;
+            # d W and the LoRA B's are this process's rows
+            partial = ([grad_h] if need_h else []) + grad_lora[0::2]
+            if partial:
+                flat = ctx.vocab.sum_(torch.cat([t.reshape(-1).to(acc) for t in partial]))
+                for t, part in zip(partial, flat.split([t.numel() for t in partial])):
+                    t.copy_(part.view_as(t))
         grads_lora = [gr.to(t.dtype) for gr, t in zip(grad_lora, lora_tensors)]
         return (
             grad_h,
             grad_w.to(weight.dtype) if need_w else None,
+            None,
             None,
             None,
             None,
@@ -237,19 +303,23 @@ def token_logprobs(
     softcap: float | None = None,
     chunk: int | None = None,
     inv_temperature: torch.Tensor | None = None,
+    vocab: VocabSplit | None = None,
 ) -> torch.Tensor:
     """``log softmax(hidden @ weight.T)[t, targets[t, k]]`` as fp32 (fp64 for fp64 input) ``[T, K]``
     (``targets`` ``[T, K]`` or ``[T]``, giving ``[T]``), with the route's LM-head LoRA applied to each
     adapter's tokens. ``inv_temperature`` ``[T]``: row ``t``'s (capped) logits are multiplied by it
-    before the softmax (a sampler's ``1 / τ``; None: 1 everywhere)."""
+    before the softmax (a sampler's ``1 / τ``; None: 1 everywhere). ``vocab``: the head is split by
+    vocabulary across processes (every one of them calls this with the same ``hidden``)."""
     squeeze = targets.dim() == 1
     if squeeze:
         targets = targets[:, None]
+    if vocab is not None:
+        weight = vocab.local(weight)
     chunk = chunk or default_chunk(weight.shape[0])
     parts = head_lora_parts(hidden, lora, lora_name)
     bounds = tuple((s, e) for s, e, _, _ in parts)
     tensors = [t for _, _, hA, B in parts for t in (hA, B)]
     if inv_temperature is not None:
         inv_temperature = inv_temperature.to(device=hidden.device, dtype=_acc_dtype(hidden))
-    out = _ChunkedLogprobs.apply(hidden, weight, targets, chunk, softcap, inv_temperature, bounds, *tensors)
+    out = _ChunkedLogprobs.apply(hidden, weight, targets, chunk, softcap, inv_temperature, vocab, bounds, *tensors)
     return out[:, 0] if squeeze else out

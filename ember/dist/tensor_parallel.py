@@ -15,8 +15,14 @@ Which gradients are complete where (summed by :mod:`ember.dist.adapters`):
   other sequences (``dp_group``);
 * the replicated factor of a split linear (column ``A``, row ``B``): each rank holds the part its
   shard contributed, summed over every rank;
-* factors of linears that are not split (the LM head): computed whole on every rank of a TP group,
-  summed over ``dp_group`` only.
+* factors of linears that are not split: computed whole on every rank of a TP group, summed over
+  ``dp_group`` only.
+
+The LM head is split by vocabulary (:class:`VocabParallel`): each rank holds ``V / tp`` rows of it
+(a view of the tied embedding's rows when the two are tied) and of its LoRA ``B``; the chunked
+logprob pass combines the ranks' log-sum-exps per chunk and never builds a row of logits over the
+whole vocabulary (:mod:`ember.core.logprobs`); a sampler gathers the few rows it draws from. Its
+LoRA ``A`` gets its whole gradient on every rank (the pass sums ``d(hA)`` over the group).
 """
 
 from __future__ import annotations
@@ -97,6 +103,38 @@ class RowParallel:
     def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
         y = _ReduceFromGroup.apply(mod.product(x, lora, None), self.group)
         return y if mod.bias is None else y + mod.bias
+
+
+class VocabParallel:
+    """This rank's rows ``start..stop`` of a vocabulary of ``size`` (a
+    :class:`~ember.core.logprobs.VocabSplit`), over the TP group."""
+
+    def __init__(self, group, start: int, stop: int, size: int):
+        self.group, self.start, self.stop, self.size = group, start, stop, size
+
+    def local(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if weight.shape[0] == self.stop - self.start else weight[self.start : self.stop]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.all_gather(x[None], self.group)
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce_sum_(x, self.group)
+
+
+def _split_vocab(model: nn.Module, parallel: Parallel, blocks: dict, kinds: dict) -> None:
+    """The LM head by vocabulary rows: its own rows when untied; tied, the embedding stays whole
+    (every rank looks up every token) and the head reads this rank's rows of it."""
+    head, vocab = model.lm_head, model.config.vocab_size
+    if vocab % parallel.layout.tp:
+        raise ValueError(f"--tp {parallel.layout.tp} must divide the vocabulary ({vocab})")
+    start, stop = parallel.layout.tp_range(vocab)
+    if model.config.tie_word_embeddings:
+        head.out_features = stop - start
+    else:
+        _split(head, "lm_head", parallel, 0, blocks)
+    model.vocab_split = VocabParallel(parallel.tp_group, start, stop, vocab)
+    kinds["lm_head.lora_B"] = SHARDED_ROWS
 
 
 # factor kinds (how a factor's gradient is reduced and how a checkpoint gathers it)
@@ -208,7 +246,7 @@ def _shard_gated_deltanet(mod, name, parallel, blocks, kinds, pieces, column, ro
 def shard_linears(model: nn.Module, parallel: Parallel) -> tuple[dict[str, str], dict[str, list[int]]]:
     """Split the attention and dense-MLP projections (q/k/v and gate/up column-parallel, o and
     down row-parallel; Olmo 3's whole-width q/k norms with them; MLA's ``q_b``/``kv_b`` by heads
-    behind latents computed whole; Gated DeltaNet by key heads), in place. Returns the kind of
+    behind latents computed whole; Gated DeltaNet by key heads) and the LM head by vocabulary, in place. Returns the kind of
     every LoRA factor (``{module}.lora_A`` / ``.lora_B``) of a split module, and for a factor whose
     rows are several pieces of the whole (``[q | k | v]``), this rank's length of each piece."""
     tp = parallel.layout.tp
@@ -249,4 +287,5 @@ def shard_linears(model: nn.Module, parallel: Parallel) -> tuple[dict[str, str],
                 start, end = parallel.layout.tp_range(getattr(mod, norm).weight.shape[0])
                 setattr(mod, norm, ShardedRMSNorm(getattr(mod, norm), start, end, parallel.tp_group))
                 blocks[f"{name}.{norm}.weight"] = (0, start, end - start)
+    _split_vocab(model, parallel, blocks, kinds)
     return kinds, pieces

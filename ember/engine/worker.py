@@ -399,6 +399,7 @@ class Worker:
             softcap=self.model.final_logit_softcap,
             chunk=self.logprob_chunk,
             inv_temperature=inv_temperature,
+            vocab=self.model.vocab_split,
         )
 
     # -- optimizer ------------------------------------------------------------------------------

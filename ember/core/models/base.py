@@ -14,6 +14,7 @@ from ember.core.layers.lora import LoraLinear, LoraRoute
 from ember.core.layers.moe import Experts, RoutingRecord, SoftmaxTopKRouter
 from ember.core.layers.rope import RotaryEmbedding
 from ember.core.layers.router import GroupLimitedSigmoidRouter
+from ember.core.logprobs import VocabSplit
 
 # attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], spec, scale) -> [T, Hq, Dv]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionSpec, float], torch.Tensor]
@@ -85,6 +86,9 @@ class CausalLM(nn.Module):
 
     config: ModelConfig
     final_logit_softcap: float | None = None
+    # the LM head split by vocabulary across processes (set from outside, by ember.dist); passed
+    # to every logprob and logits computation of the head
+    vocab_split: VocabSplit | None = None
 
     def attach(self, cfg: ModelConfig, decoder: nn.Module) -> None:
         """Finish a family's ``__init__``: set the config and the decoder (``model``), add the LM head

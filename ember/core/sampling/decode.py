@@ -153,5 +153,5 @@ class EagerDecoder:
         )
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
         hidden = self.model.hidden_states(input_ids, ctx)
-        logits = head_logits(hidden, self.model.unembed_weight, lora)
+        logits = head_logits(hidden, self.model.unembed_weight, lora, vocab=self.model.vocab_split)
         return logits, (routing.record if routing is not None else None), None

@@ -292,7 +292,7 @@ class SamplingEngine:
         # logits of each prompt's last position, rows in packed (slot) order
         last = [batch.starts[i] + batch.lengths[i] - 1 for i in order]
         route = self.bank.route(_runs([(reqs[i].request.slot, False) for i in order]))
-        raw = head_logits(hidden[last], self.model.unembed_weight, route)
+        raw = head_logits(hidden[last], self.model.unembed_weight, route, vocab=self.model.vocab_split)
         row = {i: j for j, i in enumerate(order)}
 
         for i, r in enumerate(reqs):
@@ -349,6 +349,7 @@ class SamplingEngine:
                     lora=self._route(req.slot, P - lo),
                     softcap=self.softcap,
                     chunk=self.logprob_chunk,
+                    vocab=self.model.vocab_split,
                 )
                 out[lo:] = lps.float().cpu().numpy()
             r.outputs["prompt_logprobs"] = out
@@ -359,7 +360,7 @@ class SamplingEngine:
             step = chunked_rows(P, self.vocab)
             for c0 in range(lo, P, step):
                 c1 = min(P, c0 + step)
-                raw = head_logits(h[c0 - 1 : c1 - 1], W, self._route(req.slot, c1 - c0))
+                raw = head_logits(h[c0 - 1 : c1 - 1], W, self._route(req.slot, c1 - c0), vocab=self.model.vocab_split)
                 ids[c0:c1], vals[c0:c1] = topk_logprobs(log_softmax(raw, self.softcap), k)
             r.outputs["topk_prompt"] = (ids, vals)
         if req.prompt_targets is not None:
@@ -368,7 +369,8 @@ class SamplingEngine:
             if P > 1 and t.shape[1]:
                 tt = torch.as_tensor(np.where(t < 0, 0, t), dtype=torch.long, device=self.device)
                 lps = token_logprobs(
-                    h[: P - 1], W, tt, lora=self._route(req.slot, P - 1), softcap=self.softcap, chunk=self.logprob_chunk
+                    h[: P - 1], W, tt, lora=self._route(req.slot, P - 1), softcap=self.softcap, chunk=self.logprob_chunk,
+                    vocab=self.model.vocab_split,
                 )
                 out = np.where(t < 0, 0.0, lps.float().cpu().numpy()).astype(np.float32)
             r.outputs["target_prompt_logprobs"] = out
@@ -389,7 +391,8 @@ class SamplingEngine:
         step = chunked_rows(P - 1, self.vocab)
         for c0 in range(1, P, step):
             c1 = min(P, c0 + step)
-            raw = head_logits(h[c0 - 1 : c1 - 1], self.model.unembed_weight, self._route(req.slot, c1 - c0))
+            raw = head_logits(h[c0 - 1 : c1 - 1], self.model.unembed_weight, self._route(req.slot, c1 - c0),
+                              vocab=self.model.vocab_split)
             z = capped(raw, self.softcap).contiguous()
             inv = torch.full((c1 - c0,), inv_t, dtype=torch.float64, device=z.device)
             for j in range(k):

@@ -29,7 +29,7 @@ import torch
 
 from ember.core.kernels import sampling as sampling_kernel
 from ember.core.layers.lora import LoraRoute
-from ember.core.logprobs import apply_softcap, chunk_logits, default_chunk, head_lora_parts, row_logsumexp
+from ember.core.logprobs import VocabSplit, apply_softcap, chunk_logits, default_chunk, head_lora_parts, row_logsumexp
 
 _MASK64 = (1 << 64) - 1
 
@@ -54,11 +54,22 @@ def seeded_uniform(seed: int, step: int) -> float:
 
 
 def head_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, lora: LoraRoute | None, lora_name: str = "lm_head"
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    lora: LoraRoute | None,
+    lora_name: str = "lm_head",
+    vocab: VocabSplit | None = None,
 ) -> torch.Tensor:
     """Raw (uncapped) fp32 logits ``[N, V]`` of ``hidden`` ``[N, H]``: the LM head plus, for each
-    adapter group of ``lora``, its LM-head LoRA (exactly the trainer's chunk computation)."""
-    return chunk_logits(hidden, weight, head_lora_parts(hidden, lora, lora_name), 0, hidden.shape[0])
+    adapter group of ``lora``, its LM-head LoRA (exactly the trainer's chunk computation). With the
+    head split by vocabulary (``vocab``), each process's part is gathered: every process gets all
+    ``V`` logits of its ``N`` rows (a sampler's few positions, not a training batch)."""
+    if vocab is not None:
+        weight = vocab.local(weight)
+    logits = chunk_logits(hidden, weight, head_lora_parts(hidden, lora, lora_name), 0, hidden.shape[0])
+    if vocab is None:
+        return logits
+    return vocab.gather(logits).permute(1, 0, 2).reshape(hidden.shape[0], vocab.size)
 
 
 def log_softmax(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:

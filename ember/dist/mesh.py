@@ -19,6 +19,7 @@ every rank of an expert group sends distinct rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -78,7 +79,7 @@ class Parallel:
     """A layout with its process groups. Built by every rank together (``dist.new_group`` is a
     collective), after ``torch.distributed.init_process_group``."""
 
-    def __init__(self, ep: int = 1, tp: int = 1):
+    def __init__(self, ep: int = 1, tp: int = 1, control_timeout: timedelta = timedelta(seconds=60)):
         self.layout = layout = Layout(dist.get_world_size(), dist.get_rank(), ep, tp)
         world = layout.world
         self.world_group = dist.group.WORLD
@@ -87,6 +88,9 @@ class Parallel:
         self.tp_group = _subgroups([list(range(b, b + tp)) for b in range(0, world, tp)], layout.rank)
         # ranks that run different sequences and hold the same dense shards
         self.dp_group = _subgroups([list(range(r, world, tp)) for r in range(tp)], layout.rank)
+        # every rank, on gloo and apart from the model's traffic, with a short timeout: the engine's
+        # own handshakes (ember.engine.ranks)
+        self.control_group = dist.new_group(backend="gloo", timeout=control_timeout)
 
     @property
     def rank(self) -> int:

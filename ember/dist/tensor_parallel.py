@@ -27,10 +27,10 @@ LoRA ``A`` gets its whole gradient on every rank (the pass sums ``d(hA)`` over t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
-
-from dataclasses import replace
 
 from ember.core.layers.gated_deltanet import GatedDeltaNet
 from ember.core.layers.lora import LoraLinear

@@ -79,8 +79,6 @@ class Adapter:
         self.layout = layout
         self.flat = flat.requires_grad_()
         self._sizes = [math.prod(shape) for _, a, b in layout for shape in (a, b)]
-        # dense factors come first in the flat vector, expert factors (``[E, r, in]``) after them
-        self.dense_numel = sum(math.prod(a) + math.prod(b) for _, a, b in layout if len(a) == 2)
         self.weights = self._views(flat.detach())
         self.optimizer = AdapterOptimizer([self.flat])
         # modules whose rank is below config.rank (normalize_moe_lora experts) use scale
@@ -208,10 +206,9 @@ class AdapterBank:
         return moe.top_k
 
     def _new_flat(self, config: LoraConfig) -> tuple[list, torch.Tensor]:
-        """Fresh factors, laid out with every dense factor before the expert ones (a sharded
-        engine reduces the two parts over different ranks). ``A`` of sharded experts (or of a linear
-        split along its input) is drawn whole and sliced, so every layout starts from the same
-        adapter."""
+        """Fresh factors, laid out with every dense factor before the expert ones. ``A`` of sharded
+        experts (or of a linear split along its input) is drawn whole and sliced, so every layout
+        starts from the same adapter."""
         gen = torch.Generator().manual_seed(config.seed)
         top_k = self._expert_top_k(config)
         dense, expert = [], []

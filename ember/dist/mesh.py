@@ -90,7 +90,9 @@ class Parallel:
         self.dp_group = _subgroups([list(range(r, world, tp)) for r in range(tp)], layout.rank)
         # every rank, on gloo and apart from the model's traffic, with a short timeout: the engine's
         # own handshakes (ember.engine.ranks)
-        self.control_group = dist.new_group(backend="gloo", timeout=control_timeout)
+        # (a fake process group, which plans layouts without running them, has no gloo)
+        fake = dist.get_backend() == "fake"
+        self.control_group = dist.group.WORLD if fake else dist.new_group(backend="gloo", timeout=control_timeout)
 
     @property
     def rank(self) -> int:

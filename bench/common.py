@@ -235,8 +235,9 @@ QWEN3_NEXT_80B_A3B_8L = {
 # streams of rank 320, QSA indexer 4 heads x 128 with budget 2048 / blocks of 4, rope theta 1e7 on a
 # quarter of head_dim; text-only, so the interleaved MRoPE sections reduce to 1-D rope and are left
 # out). NOT as released: ``ple_layer_ids`` is empty. The real model reads its 51.2 B-parameter
-# (95 GiB bf16) hashed n-gram table (PLE) at layer 2, and Ember keeps that table on the device: with
-# it the shape would not leave room for a training step. The tiny-qwen4-exp shape has a PLE layer.
+# (95 GiB bf16) hashed n-gram table (PLE) at layer 2. Ember keeps that table in host memory
+# (ember.core.layers.ngram_memory), but the HF baseline holds it on the device, where it would not
+# leave room for a training step; the bench leaves it out for both. The tiny-qwen4-exp shape has a PLE layer.
 # 8 x 2048 tokens in one pass runs out of memory; with --micro 4 the measured peak is 74.8 GiB.
 QWEN3_8_FLASH_NEXT_8L = {
     "model_type": "qwen4_exp_text",
@@ -785,7 +786,7 @@ def hf_model_like(model, cfg: dict, dtype: torch.dtype, device: str, experts_imp
                 if src is None or src.shape != t.shape:
                     missing.append(f"{name} {tuple(t.shape)} (Ember: {None if src is None else tuple(src.shape)})")
                     continue
-                src = src.detach()
+                src = src.detach().to(device)  # (a host-resident table, qwen4_exp's n-grams: HF keeps it on the device)
                 table[n] = torch.nn.Parameter(src, requires_grad=False) if kind == "_parameters" else src.to(t.dtype)
     if missing:
         raise ValueError(f"transformers' weights do not match Ember's: {', '.join(missing[:5])}")

@@ -56,11 +56,14 @@ class CheckpointReader:
                     self._where[key] = path
         self._handles: dict[Path, object] = {}
 
-    def _raw(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str):
         path = self._where[key]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        return self._handles[path].get_tensor(key)
+        return self._handles[path]
+
+    def _raw(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
 
     def _companions(self, key: str) -> dict[str, torch.Tensor]:
         return {sfx: self._raw(key + sfx) for sfx in quant.SCALE_SUFFIXES if key + sfx in self._where}
@@ -72,11 +75,23 @@ class CheckpointReader:
     def _is_companion(self, key: str) -> bool:
         return any(key.endswith(sfx) and key[: -len(sfx)] in self._where for sfx in quant.SCALE_SUFFIXES)
 
-    def get(self, key: str) -> torch.Tensor:
-        """The tensor stored under ``key`` (dequantized to fp32 if it is stored quantized)."""
-        t = self._raw(key)
+    def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor stored under ``key`` (dequantized to fp32 if it is stored quantized); with
+        ``rows = (start, n)`` only those rows, read from the file by themselves (a quantized tensor
+        is read whole, then narrowed)."""
         companions = self._companions(key)
-        return quant.dequantize(t, companions) if companions else t
+        if rows is not None and not companions:
+            start, n = rows
+            return self._handle(key).get_slice(key)[start : start + n]
+        t = self._raw(key)
+        t = quant.dequantize(t, companions) if companions else t
+        return t if rows is None else t.narrow(0, *rows)
+
+    def rows(self, key: str) -> int:
+        """How many rows the tensor under ``key`` has (its first dimension), without reading it."""
+        if self._companions(key):
+            return self.get(key).shape[0]
+        return self._handle(key).get_slice(key).get_shape()[0]
 
 
 def _fill(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -93,12 +108,42 @@ def build_empty(cfg: ModelConfig) -> CausalLM:
         return model_class(cfg)(cfg)
 
 
+def host_memory(device: torch.device) -> tuple[torch.device, bool]:
+    """Where the host-resident parameters of a model on ``device`` live: the CPU, and whether in
+    pinned memory: when CUDA is available and the model is on a GPU, so that copies from them to the
+    GPU run asynchronously (a CPU model makes no copies, and pinning would start a CUDA context)."""
+    return torch.device("cpu"), torch.cuda.is_available() and device.type == "cuda"
+
+
+def host_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The parameters of ``model`` kept in host memory whatever its device: those each module names
+    in its ``host_parameters`` (names relative to the module; e.g. the n-gram table of
+    :class:`~ember.core.layers.ngram_memory.NGramEmbedding`)."""
+    return {
+        f"{prefix}.{n}" if prefix else n for prefix, mod in model.named_modules() for n in getattr(mod, "host_parameters", ())
+    }
+
+
 def _materialise(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
-    model.to_empty(device=device)
     # a family may keep some parameters in fp32 whatever ``dtype`` (e.g. DeepSeek's router bias)
     keep_fp32 = tuple(getattr(model, "fp32_parameters", ()))
+    host = host_parameter_names(model)
+    host_device, pin = host_memory(device)
+    for prefix, mod in model.named_modules():
+        own = [(n, f"{prefix}.{n}" if prefix else n, p) for n, p in mod.named_parameters(recurse=False)]
+        if not any(full in host for _, full, _ in own):
+            mod.to_empty(device=device, recurse=False)
+            continue
+        if any(full not in host for _, full, _ in own) or any(True for _ in mod.buffers(recurse=False)):
+            raise ValueError(f"{prefix}: a module with host-resident parameters must hold nothing else")
+        # allocated on the host in the final dtype directly: never on ``device``, never twice
+        for n, full, p in own:
+            kind = torch.float32 if full.endswith(keep_fp32) else dtype
+            t = torch.empty(p.shape, dtype=kind, device=host_device, pin_memory=pin)
+            setattr(mod, n, torch.nn.Parameter(t, requires_grad=p.requires_grad))
     for name, p in model.named_parameters():
-        p.data = p.data.to(torch.float32 if name.endswith(keep_fp32) else dtype)
+        if name not in host:
+            p.data = p.data.to(torch.float32 if name.endswith(keep_fp32) else dtype)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 
@@ -115,7 +160,15 @@ def load_model(
     process reads only the weights it holds: the model's ``param_blocks`` (``{parameter name:
     (dim, start, length)}``, or ``(dim, [(start, length), ...])`` for several pieces, set by
     :mod:`ember.dist`) name the parameters that hold a block of the checkpoint's tensor (some
-    experts, some rows or columns)."""
+    experts, some rows or columns); a block of rows (``dim`` 0, one piece) is read from the file by
+    itself, also from a table saved in row shards.
+
+    Host-resident parameters: a module may name some of its own parameters in a
+    ``host_parameters`` attribute (names relative to the module, e.g. Qwen3.8-Flash-Next's n-gram
+    table, ``ngram_embedding.weight``); those are materialised on the CPU whatever ``device``, in
+    pinned memory when the model is on a GPU (:func:`host_memory`), and never touch the device. The
+    module's forward must read them there (see :mod:`ember.core.layers.ngram_memory`); anything
+    that moves the whole model (``model.to``) would move them too, so nothing does."""
     device = torch.device(device)
     cfg = load_config(model_dir)
     model = build_empty(cfg)
@@ -131,6 +184,15 @@ def load_model(
         dim, *where = blocks[name]
         pieces = where[0] if len(where) == 1 else [tuple(where)]
         return torch.cat([t.narrow(dim, start, n) for start, n in pieces], dim=dim)
+
+    def row_block(name: str) -> tuple[int, int] | None:
+        """``(start, n)`` if ``name`` holds one block of its tensor's rows."""
+        spec = blocks.get(name)
+        return (spec[1], spec[2]) if spec is not None and spec[0] == 0 and len(spec) == 3 else None
+
+    def read(name: str, stored: str) -> torch.Tensor:
+        rows = row_block(name)
+        return reader.get(stored, rows) if rows is not None else block(name, reader.get(stored))
     filled: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
@@ -163,17 +225,25 @@ def load_model(
                 experts[m["prefix"]][e - start][m["proj"]] = reader.get(stored)
             continue
         if key in params:
-            _fill(params[key], block(key, reader.get(stored)), stored)
+            _fill(params[key], read(key, stored), stored)
             filled.add(key)
     for name, parts in shards.items():
-        row = 0
+        # this process's rows [start, start + n) of the table (all of them unless it holds a block)
+        dst = params[name]
+        if name in blocks and row_block(name) is None:
+            raise ValueError(f"{name}: a table saved in row shards can only be split by rows")
+        start, n = row_block(name) or (0, dst.shape[0])
+        row, got = 0, 0
         for _, stored in sorted(parts):
-            t = reader.get(stored)
-            with torch.no_grad():
-                params[name][row : row + t.shape[0]].copy_(t)
-            row += t.shape[0]
-        if row != params[name].shape[0]:
-            raise ValueError(f"{name}: checkpoint shards hold {row} rows, model expects {params[name].shape[0]}")
+            rows = reader.rows(stored)
+            lo, hi = max(row, start), min(row + rows, start + n)
+            if lo < hi:
+                _fill(dst[lo - start : hi - start], reader.get(stored, (lo - row, hi - lo)), stored)
+                got += hi - lo
+            row += rows
+        if got != n or (row != n if name not in blocks else row < start + n):
+            want = f"rows {start}..{start + n - 1}" if name in blocks else f"{n} rows"
+            raise ValueError(f"{name}: checkpoint shards hold {row} rows, model expects {want}")
         filled.add(name)
     for prefix, per_expert in experts.items():
         gate_up, down = params.get(f"{prefix}.gate_up_proj"), params.get(f"{prefix}.down_proj")
@@ -203,7 +273,7 @@ def load_model(
 
 def init_random(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
     """Fill a materialised model with random weights (norms at their identity value)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}  # host-resident parameters draw from their own
     norm_weights = {id(m.weight): m.zero_centred for m in model.modules() if isinstance(m, RMSNorm)}
     with torch.no_grad():
         for _, p in model.named_parameters():
@@ -212,7 +282,9 @@ def init_random(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
             elif p.dim() == 1:
                 p.zero_()
             else:
-                p.normal_(0.0, std, generator=gen)
+                if p.device not in gens:
+                    gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+                p.normal_(0.0, std, generator=gens[p.device])
     return model
 
 

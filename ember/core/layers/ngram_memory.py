@@ -14,11 +14,21 @@ stream, a shared value; a dilated causal convolution adds local context::
 The table is frozen and never part of an adapter; so are the projections, norms and convolution
 (spec §3.9 lists none of them as LoRA targets). Decoding keeps ``ngram_context`` (each sequence's
 last ``n - 1`` token ids, plus one) and ``ple_conv`` (the convolution's input window) in ``ctx.state``.
+
+The table lives in host memory, never on the GPU (the released model's is 51.2 B parameters, ~95 GiB
+in bf16): :class:`NGramEmbedding` names it in ``host_parameters``, so
+:func:`ember.core.loading.load_model` materialises it on the CPU (pinned when the model is on a GPU)
+whatever the model's device. A lookup computes the row ids on the device, copies them to the host,
+gathers the rows there into a pinned buffer and copies that to the device without blocking the host
+(:func:`host_rows`; on a CPU run the same code makes no copies). Under expert parallelism each rank
+holds a block of the rows and ``lookup`` fetches the others' (set from outside the model by
+:mod:`ember.dist.host_table`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,8 +74,24 @@ def head_primes(base: int, first_head: int, heads: int) -> list[int]:
     return primes[first_head:]
 
 
+def host_rows(table: torch.Tensor, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
+    """Rows ``ids`` of ``table`` (both in host memory), gathered into host memory (pinned if ``pin``,
+    so that the copy to a GPU can run asynchronously)."""
+    out = torch.empty((ids.shape[0], *table.shape[1:]), dtype=table.dtype, device=table.device, pin_memory=pin)
+    return torch.index_select(table, 0, ids, out=out)
+
+
+# (this rank's table, row ids on the host [N], pin) -> the rows [N, dim] on the host
+RowLookup = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
 class NGramEmbedding(nn.Module):
-    """Hashed n-gram ids of every token and their rows of ``ngram_embedding`` (frozen)."""
+    """Hashed n-gram ids of every token and their rows of ``ngram_embedding`` (frozen, in host
+    memory: see the module doc). ``lookup`` fetches rows from the table; ``None``: the whole table
+    is here (:func:`host_rows`)."""
+
+    host_parameters = ("ngram_embedding.weight",)  # read by load_model: kept in host memory
+    lookup: RowLookup | None = None
 
     def __init__(self, raw: dict[str, Any], embed_dim: int, ple_index: int, layer: int, eos_token_id: int):
         super().__init__()
@@ -115,7 +141,13 @@ class NGramEmbedding(nn.Module):
         return torch.cat(blocks, dim=-1)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.ngram_embedding(self.ids(input_ids, ctx)).flatten(-2)
+        ids = self.ids(input_ids, ctx)
+        table = self.ngram_embedding.weight
+        device = input_ids.device
+        # ids device -> host (a sync on a GPU); rows gathered on the host; host -> device, not blocking
+        host_ids = ids.reshape(-1).to(table.device)
+        rows = (self.lookup or host_rows)(table, host_ids, device.type == "cuda" and table.device.type == "cpu")
+        return rows.to(device, non_blocking=True).view(ids.shape[0], ids.shape[1] * table.shape[1])
 
 
 class PLELayer(nn.Module):

@@ -51,7 +51,7 @@ def _database_url(args: argparse.Namespace) -> str:
     return args.database_url or os.environ.get("EMBER_DATABASE_URL") or default_sqlite_url(Path(args.home).expanduser())
 
 
-def _check_layout(models: dict, nproc: int, ep: int, tp: int) -> None:
+def _check_layout(models: dict, nproc: int, ep: int, tp: int, expert_fsdp: bool = False) -> None:
     """Refuse at start, naming the sizes, a layout that does not divide what it splits."""
     from ember.core.config import TP_FAMILIES, load_config
 
@@ -60,9 +60,13 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int) -> None:
             raise ValueError(f"{flag} {n} must divide --nproc {nproc}")
     if ep > 1 and tp > 1 and ep % tp:
         raise ValueError(f"--ep {ep} must be a multiple of --tp {tp} (expert groups span whole TP groups)")
+    if expert_fsdp and nproc // ep < 2:
+        raise ValueError(f"--expert-fsdp needs --nproc ({nproc}) > --ep ({ep}): no two processes hold the same experts")
     for name, m in models.items():
         cfg = load_config(m.path)
         moe = getattr(cfg, "moe", None)
+        if expert_fsdp and moe is None:
+            raise ValueError(f"--expert-fsdp needs MoE layers; {name!r} ({cfg.model_type}) has none")
         if ep > 1 and moe is not None and moe.num_experts % ep:
             raise ValueError(f"--ep {ep} must divide the {moe.num_experts} experts per MoE layer of {name!r}")
         if tp > 1:
@@ -89,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_config = json.loads(args.client_config) if args.client_config else {}
         models = parse_model_flags(args.model or [], home)
         if not args.api_only:
-            _check_layout(models, args.nproc, args.ep, args.tp)
+            _check_layout(models, args.nproc, args.ep, args.tp, args.expert_fsdp)
     except (ValueError, json.JSONDecodeError) as e:
         print(f"ember serve: {e}", file=sys.stderr)
         return 2
@@ -106,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         gap_timeout_s=args.gap_timeout, log_level=args.log_level, cpu_threads=args.cpu_threads,
         stability_memory_mb=args.stability_memory_mb, stability_disk_mb=args.stability_disk_mb,
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
-        nproc=args.nproc, ep=args.ep, tp=args.tp,
+        nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -210,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: --tp consecutive processes split the attention heads and MLP "
                        "width (every family but Inkling2); must divide --nproc, the heads and the width (default 1)")
+    serve.add_argument("--expert-fsdp", action="store_true",
+                       help="also shard each block of experts over the --nproc/--ep processes that hold it (FSDP2): "
+                       "each keeps 1/(nproc/ep) of it, and a layer's block is gathered for its forward and backward "
+                       "and freed after them, and gathered once per sampling run; needs MoE models and --nproc > --ep")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

@@ -698,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=1, help="processes of this engine (ember.engine.sharded)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides --nproc)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides --nproc)")
+    ap.add_argument("--expert-fsdp", action="store_true",
+                    help="shard each block of experts over the --nproc/--ep ranks that hold it (FSDP2, "
+                    "ember.dist.fsdp); needs MoE layers and --nproc > --ep")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # set for the ranks rank 0 starts
     ap.add_argument("--dist-init", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -705,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, n in (("--ep", args.ep), ("--tp", args.tp)):
         if args.nproc < 1 or n < 1 or args.nproc % n:
             ap.error(f"{flag} {n} must divide --nproc {args.nproc}")
+    if args.expert_fsdp and args.nproc // args.ep < 2:
+        ap.error(f"--expert-fsdp needs --nproc ({args.nproc}) > --ep ({args.ep}): no two ranks hold the same experts")
     if args.device == "cpu":
         torch.set_num_threads(max(1, cpu_threads(args.cpu_threads) // args.nproc))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

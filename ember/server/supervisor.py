@@ -41,6 +41,7 @@ class EngineOptions:
     nproc: int = 1  # processes per engine (ember.engine.sharded)
     ep: int = 1  # expert-parallel degree
     tp: int = 1  # tensor-parallel degree
+    expert_fsdp: bool = False  # experts sharded over the ranks that hold the same ones (ember.dist.fsdp)
 
 
 class EngineSupervisor:
@@ -74,6 +75,8 @@ class EngineSupervisor:
             cmd += ["--cpu-threads", str(o.cpu_threads)]
         if o.nproc > 1:
             cmd += ["--nproc", str(o.nproc), "--ep", str(o.ep), "--tp", str(o.tp)]
+            if o.expert_fsdp:
+                cmd.append("--expert-fsdp")
         return cmd
 
     def start(self) -> None:

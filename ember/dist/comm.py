@@ -43,6 +43,30 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Every rank's rows (rank ``i`` holds ``sizes[i]``) concatenated in rank order (no autograd)."""
+    width = max(sizes)
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = x.new_empty((len(sizes) * width, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    return torch.cat([out[i * width : i * width + n] for i, n in enumerate(sizes)])
+
+
+def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """``x`` (``[sum(sizes), ...]``, a partial sum on every rank) summed over the ranks; this rank
+    keeps its ``sizes[rank]`` rows (no autograd)."""
+    width, rank = max(sizes), dist.get_rank(group)
+    padded = x.new_zeros((len(sizes) * width, *x.shape[1:]))
+    start = 0
+    for i, n in enumerate(sizes):
+        padded[i * width : i * width + n] = x[start : start + n]
+        start += n
+    out = x.new_empty((width, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    return out[: sizes[rank]]
+
+
 class _GatherRows(torch.autograd.Function):
     """Forward: every rank's rows, concatenated in rank order. Backward: this rank's slice of
     the gradient, for computations that every rank then repeats identically (its gradient is the
@@ -52,17 +76,52 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x, sizes, group):
         rank = dist.get_rank(group)
         ctx.bounds = (sum(sizes[:rank]), sum(sizes[: rank + 1]))
-        width = max(sizes)
-        padded = x.new_zeros((width, *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        out = x.new_empty((len(sizes) * width, *x.shape[1:]))
-        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
-        return torch.cat([out[i * width : i * width + n] for i, n in enumerate(sizes)])
+        return _gather_rows(x, sizes, group)
 
     @staticmethod
     def backward(ctx, g):
         start, end = ctx.bounds
         return g[start:end], None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: every rank's rows in rank order. Backward: the gradients summed over the ranks,
+    this rank's rows kept (each rank's work on the gathered rows gives a part of their gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_rows(g.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Forward: partial sums over every row added over the ranks, this rank's rows kept.
+    Backward: every rank's gradient rows gathered."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_rows(x.contiguous(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_rows(g.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+def gather_tokens(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Every rank's rows of ``x`` (rank ``i`` holds ``sizes[i]``) in rank order; backward: a
+    reduce-scatter (sequence parallelism entering a split projection)."""
+    return _GatherTokens.apply(x, list(sizes), group)
+
+
+def scatter_tokens(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """``x``'s partial sums added over the ranks, this rank's ``sizes[rank]`` rows kept; backward:
+    an all-gather (sequence parallelism leaving a row-parallel projection)."""
+    return _ScatterTokens.apply(x, list(sizes), group)
 
 
 def gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
@@ -99,3 +158,9 @@ def broadcast_object(obj, group=None, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """:func:`all_to_all` without autograd (ids, frozen table rows): rows
+    ``x[sum(in_splits[:j]) : …+in_splits[j]]`` to rank ``j``, ``out_splits[j]`` rows from it."""
+    return _all_to_all(x, out_splits, in_splits, group)

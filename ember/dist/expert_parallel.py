@@ -33,7 +33,10 @@ from ember.dist.mesh import Parallel
 
 
 class ExpertParallel:
-    """The ``dispatch`` of sharded :class:`Experts` modules (one instance shared by all layers)."""
+    """The ``dispatch`` of sharded :class:`Experts` modules (one instance shared by all layers).
+    ``sp``: the model's sequence parallelism, when applied (:mod:`ember.dist.sequence_parallel`)."""
+
+    sp = None
 
     def __init__(self, parallel: Parallel):
         self.group = parallel.ep_group
@@ -50,6 +53,9 @@ class ExpertParallel:
         return self._all_to_all(experts, x, routing, lora)
 
     def _all_to_all(self, experts, x, routing, lora):
+        if self.sp is not None and self.sp.active:  # sequence parallel: x is this rank's rows
+            group = None if lora is None else self.sp.local(lora.moe_token_group())
+            return self._dispatch(experts, x, routing, lora, group)
         if self.tp == 1:
             return self._dispatch(experts, x, routing, lora, None)
         # the ranks of a TP group hold the same tokens: each dispatches its own slice of them, and
@@ -154,9 +160,13 @@ MODES = ("all_to_all", "gather", "replicated")
 
 
 def set_mode(model: nn.Module, mode: str) -> None:
-    """Pick the dispatcher of every sharded MoE layer (one of :data:`MODES`)."""
+    """Pick the dispatcher of every sharded MoE layer (one of :data:`MODES`); sequence
+    parallelism is on for ``"all_to_all"`` (training passes) only."""
     if mode not in MODES:
         raise ValueError(f"unknown expert dispatch {mode!r}")
+    sp = getattr(model, "sequence_parallel", None)
+    if sp is not None:  # training passes only
+        sp.active = mode == "all_to_all"
     for mod in model.modules():
         if isinstance(mod, Experts) and isinstance(mod.dispatch, ExpertParallel):
             mod.dispatch.mode = mode

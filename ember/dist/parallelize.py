@@ -7,7 +7,9 @@ import torch
 from ember.core.config import TP_FAMILIES
 from ember.core.models.base import CausalLM
 from ember.dist.expert_parallel import shard_experts
+from ember.dist.host_table import shard_tables
 from ember.dist.mesh import Parallel
+from ember.dist.sequence_parallel import apply_sequence_parallel
 from ember.dist.tensor_parallel import shard_linears
 
 
@@ -21,10 +23,12 @@ def parallelize(model: CausalLM, parallel: Parallel) -> CausalLM:
     parallel.factor_kinds, parallel.factor_pieces = {}, {}
     if parallel.layout.ep > 1:
         shard_experts(model, parallel)
+        shard_tables(model, parallel)  # n-gram tables: rows split over the expert group, in host memory
     if parallel.layout.tp > 1:
         if model.config.model_type not in TP_FAMILIES:
             raise ValueError(f"--tp is built for {', '.join(TP_FAMILIES)} so far, not {model.config.model_type}")
         parallel.factor_kinds, parallel.factor_pieces = shard_linears(model, parallel)
+        apply_sequence_parallel(model, parallel, parallel.factor_kinds)
     if parallel.world > 1:
         model.model.embed_tokens.register_forward_hook(_track_gradients)
     return model

@@ -70,38 +70,52 @@ def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToGroup.apply(x, group)
 
 
-class ColumnParallel:
+class _Split:
+    """A split projection's collectives (the ``shard`` of a :class:`LoraLinear`). ``sp``: the
+    model's :class:`~ember.dist.sequence_parallel.SequenceParallel` once it is applied; while it
+    is active the module's input rows were gathered (their gradient is reduce-scattered there)."""
+
+    sp = None
+
+    def __init__(self, group):
+        self.group = group
+
+    def sequence_parallel(self) -> bool:
+        return self.sp is not None and self.sp.active
+
+
+class ColumnParallel(_Split):
     """``copy_input=False``: the input's gradient is summed where the input is made (a replicated
     projection whose output is copied, MLA's latents), not here."""
 
     def __init__(self, group, copy_input: bool = True):
-        self.group = group
+        super().__init__(group)
         self.copy_input = copy_input
 
     def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
-        if self.copy_input:
+        if self.copy_input and not self.sequence_parallel():
             x = copy_to_group(x, self.group)
         return mod.product(x, lora, mod.bias)
 
 
-class CopiedOutput:
+class CopiedOutput(_Split):
     """A projection computed whole on every rank whose output each rank uses for its own heads:
     the output's gradient is summed over the group (MLA's query and key/value latents, whose
-    rotary key every head reads)."""
-
-    def __init__(self, group):
-        self.group = group
+    rotary key every head reads). Under sequence parallelism the sum is left to the gather of
+    the module's input, and the factors' gradients are parts (``PARTIAL``)."""
 
     def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
-        return copy_to_group(mod.product(x, lora, mod.bias), self.group)
+        y = mod.product(x, lora, mod.bias)
+        return y if self.sequence_parallel() else copy_to_group(y, self.group)
 
 
-class RowParallel:
-    def __init__(self, group):
-        self.group = group
+class RowParallel(_Split):
+    """The partial sums all-reduced, or under sequence parallelism reduce-scattered to each
+    rank's rows."""
 
     def __call__(self, mod: LoraLinear, x: torch.Tensor, lora) -> torch.Tensor:
-        y = _ReduceFromGroup.apply(mod.product(x, lora, None), self.group)
+        y = mod.product(x, lora, None)
+        y = self.sp.scatter(y) if self.sequence_parallel() else _ReduceFromGroup.apply(y, self.group)
         return y if mod.bias is None else y + mod.bias
 
 

@@ -5,6 +5,14 @@ touches the model or the adapter bank to the other ranks (:func:`follow`) before
 itself, so every rank makes the same calls with the same arguments in the same order. Rank 0
 starts the other ranks (:func:`start_rank`); a rank that dies stops the engine, and a rank exits
 when rank 0 is gone.
+
+A call that fails with an error every rank raises alike (the same validation of the same input:
+:data:`ALIKE`) leaves the ranks in step, and rank 0 reports it. Any other error may have struck
+some ranks only, possibly while the others wait in a collective for them: the ranks that raised
+meet in a barrier on a separate gloo group (:func:`_resync`). If every rank is there, they all
+failed at the same point and go on (rank 0 reports the error); if one is missing within that
+group's timeout (``Parallel.control_group``, a minute), the engine stops (the supervisor fails
+the in-flight requests and restarts it) instead of waiting out the collectives' ten-minute timeout.
 """
 
 from __future__ import annotations
@@ -23,12 +31,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ember.core.adapters import AdapterBankFull
 from ember.dist import comm
 from ember.dist.mesh import Parallel
 from ember.engine.sharded import ShardedWorker
 from ember.types import SampleInput
 
 log = logging.getLogger("ember.engine")
+
+# errors that every rank raises alike for the same call (validation of the request, the bank's
+# slots, the checkpoint files): InvalidRequest and InvalidGeneration are ValueErrors
+ALIKE = (ValueError, FileNotFoundError, AdapterBankFull)
 
 
 def start_rank(args, dtype: torch.dtype, kwargs: dict, argv: list[str] | None = None) -> ShardedWorker:
@@ -60,8 +73,10 @@ def start_rank(args, dtype: torch.dtype, kwargs: dict, argv: list[str] | None = 
     )
     parallel = Parallel(args.ep, args.tp)
     log.info("engine rank joined",
-             extra={"rank": args.rank, "world": args.nproc, "ep": args.ep, "tp": args.tp, "device": device})
-    worker = ShardedWorker.from_pretrained(args.model_path, parallel, device, dtype, **kwargs)
+             extra={"rank": args.rank, "world": args.nproc, "ep": args.ep, "tp": args.tp, "device": device,
+                    "expert_fsdp": args.expert_fsdp})
+    worker = ShardedWorker.from_pretrained(args.model_path, parallel, device, dtype,
+                                           expert_fsdp=args.expert_fsdp, **kwargs)
     if args.rank == 0:
         pids = [os.getpid()] + [p.pid for p in procs]
         devices = [f"cuda:{r}" if cuda else args.device for r in range(args.nproc)]
@@ -120,7 +135,13 @@ class FanOut:
                 args = ([_seeded(r) for r in args[0]], *args[1:])
             sent = {k: (_DETOKENIZE if k == "detokenize" and v is not None else v) for k, v in kwargs.items()}
             comm.broadcast_object((name, args, sent))
-            return attr(*args, **kwargs)
+            try:
+                return attr(*args, **kwargs)
+            except ALIKE:
+                raise
+            except Exception:
+                _resync(self._worker.parallel, name)
+                raise
 
         return call
 
@@ -147,5 +168,19 @@ def follow(worker: ShardedWorker, detokenize=None) -> None:
             kwargs["detokenize"] = detokenize
         try:
             getattr(worker, name)(*args, **kwargs)
-        except Exception:  # rank 0 raised the same error and reports it
+        except ALIKE:  # rank 0 raised the same error and reports it
             log.debug("a call failed on this rank as on rank 0", extra={"call": name}, exc_info=True)
+        except Exception:
+            log.exception("a call failed on this rank", extra={"call": name})
+            _resync(worker.parallel, name)
+
+
+def _resync(parallel: Parallel, call: str) -> None:
+    """After an error that may have struck this rank only: go on if every rank raised too (all
+    reach the barrier), else stop this process (and with it the engine)."""
+    try:
+        dist.barrier(group=parallel.control_group)
+    except RuntimeError:
+        log.error("the engine's ranks are out of step after an error on some of them; stopping the engine",
+                  extra={"call": call, "rank": parallel.rank})
+        os._exit(1)

@@ -21,7 +21,7 @@ from ember.core import checkpoint, peft_format
 from ember.core.loading import load_model
 from ember.core.optim import AdamParams
 from ember.dist import adapters as dist_adapters
-from ember.dist import comm
+from ember.dist import comm, fsdp
 from ember.dist.expert_parallel import set_mode
 from ember.dist.mesh import Parallel
 from ember.dist.parallelize import parallelize
@@ -53,9 +53,14 @@ class ShardedWorker(Worker):
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, parallel: Parallel, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **kwargs
+        cls, model_dir: str | Path, parallel: Parallel, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+        expert_fsdp: bool = False, **kwargs,
     ) -> ShardedWorker:
+        """``expert_fsdp``: also shard the experts over the ranks that hold the same ones, after
+        loading (:func:`ember.dist.fsdp.shard_expert_weights`; ``ValueError`` where it cannot apply)."""
         model = load_model(model_dir, device, dtype, parallelize=lambda m: parallelize(m, parallel))
+        if expert_fsdp:
+            fsdp.shard_expert_weights(model, parallel)
         return cls(model, parallel, **kwargs)
 
     # -- training -------------------------------------------------------------------------------
@@ -117,11 +122,13 @@ class ShardedWorker(Worker):
     # -- sampling -------------------------------------------------------------------------------
 
     def sample(self, requests, detokenize=None):
-        set_mode(self.model, "replicated")
-        try:
-            return super().sample(requests, detokenize)
-        finally:
-            set_mode(self.model, "all_to_all")
+        # with --expert-fsdp: every layer's experts gathered once for the whole run, not per step
+        with fsdp.unsharded(self.model):
+            set_mode(self.model, "replicated")
+            try:
+                return super().sample(requests, detokenize)
+            finally:
+                set_mode(self.model, "all_to_all")
 
     # -- checkpoints ----------------------------------------------------------------------------
 

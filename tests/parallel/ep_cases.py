@@ -6,17 +6,20 @@ against the single-process model, which every rank also builds (fp32, tolerance 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from ember.core.adapters import AdapterBank, LoraConfig
 from ember.core.batch import pack
 from ember.core.layers.attention import PackedAttention
-from ember.core.layers.moe import RoutingRecord
+from ember.core.layers.moe import Experts, RoutingRecord
 from ember.core.loading import load_model
 from ember.core.logprobs import token_logprobs
 from ember.core.models.base import ForwardContext
 from ember.core.optim import AdamParams
 from ember.dist import adapters as dist_adapters
-from ember.dist import comm
+from ember.dist import comm, fsdp
 from ember.dist.expert_parallel import set_mode
 from ember.dist.mesh import Parallel
 from ember.dist.parallelize import parallelize
@@ -36,7 +39,7 @@ def _sequences(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (m,), generator=g).tolist() for m in lengths]
 
 
-def _forward(model, bank, seqs, keys, step_keys=None, routing=None):
+def _forward(model, bank, seqs, keys, step_keys=None, routing=None, chunk=16):
     """Per-sequence target logprobs (grad-tracking) of ``seqs`` packed by ``keys``."""
     batch = pack([s[:-1] for s in seqs], keys, "cpu") if seqs else None
     if batch is None:  # a rank with no sequences still enters every collective
@@ -51,7 +54,8 @@ def _forward(model, bank, seqs, keys, step_keys=None, routing=None):
     )
     hidden = model.hidden_states(batch.input_ids, ctx)
     targets = batch.gather([torch.tensor(s[1:]) for s in seqs]) if seqs else torch.zeros(1, dtype=torch.long)
-    lp = token_logprobs(hidden, model.unembed_weight, targets, lora=ctx.lora, softcap=model.final_logit_softcap)
+    lp = token_logprobs(hidden, model.unembed_weight, targets, lora=ctx.lora, softcap=model.final_logit_softcap,
+                        chunk=chunk, vocab=model.vocab_split)
     return lp, batch
 
 
@@ -67,11 +71,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> Non
 
 def expert_parallel_step(
     rank: int, world: int, model_dir: str, ep: int, replay_first_experts: bool = False, grad_rtol: float = 1e-5,
-    tp: int = 1,
+    tp: int = 1, expert_fsdp: bool = False,
 ):
     """Logprobs, LoRA gradients (mixed adapters, a forward-only one, the base model), one clipped
     AdamW step and the gathered checkpoint tensors equal one process's; then a decode-style pass
     through the all-gather dispatcher equals the all-to-all one.
+
+    ``expert_fsdp``: the experts also sharded over the ranks that hold the same ones
+    (:func:`ember.dist.fsdp.shard_expert_weights`); each rank must then hold ``1/efsdp`` of its
+    block between passes and the whole block inside every :meth:`Experts.compute`.
 
     Logprobs and weights: elementwise 1e-5. Gradients: relative L2 error ``grad_rtol``."""
     ref = load_model(model_dir, "cpu", torch.float32)
@@ -83,7 +91,16 @@ def expert_parallel_step(
     par = Parallel(ep, tp)
     dp, dp_rank = par.layout.dp, par.layout.dp_rank
     model = load_model(model_dir, "cpu", torch.float32, parallelize=lambda m: parallelize(m, par))
+    lookups = _check_host_tables(ref, model, par) if ep > 1 else []
+    if expert_fsdp:
+        _watch_compute()
+        assert fsdp.shard_expert_weights(model, par) > 0
+        _assert_sharded(model, par.layout.efsdp)
     bank = AdapterBank(model, max_adapters=4, max_rank=16)
+    if tp > 1:  # the LM head split by vocabulary
+        vocab = model.vocab_split
+        assert (vocab.start, vocab.stop) == par.layout.tp_range(ref.config.vocab_size)
+        assert vocab.local(model.unembed_weight).shape[0] == ref.config.vocab_size // tp
     for c, s in zip(CONFIGS, slots):
         a = bank.create(c)
         assert a.slot == s
@@ -113,7 +130,16 @@ def expert_parallel_step(
     _loss(per_ref).backward()
 
     mine = [i for i in range(len(seqs)) if i % dp == dp_rank]
+    rows = []  # under TP, sequence parallelism: this rank's slice of the pass's tokens
+    hook = model.model.embed_tokens.register_forward_hook(lambda mod, args, out: rows.append(out.shape[0]))
     lp, _ = _forward(model, bank, [seqs[i] for i in mine], [keys[i] for i in mine], step_keys, routing)
+    hook.remove()
+    if tp > 1:
+        total = sum(len(seqs[i]) - 1 for i in mine) or 1
+        assert rows == [len(torch.arange(total).tensor_split(tp)[par.layout.tp_rank])], (rows, total)
+    assert all(c.calls for c in lookups)  # the n-gram rows came through the sharded lookup
+    if expert_fsdp:  # freed after the forward: the backward gathers the blocks again
+        _assert_sharded(model, par.layout.efsdp)
     sizes = [sum(len(seqs[i]) - 1 for i in range(len(seqs)) if i % dp == r) for r in range(dp)]
     if not mine:
         lp = lp[:0]
@@ -132,6 +158,8 @@ def expert_parallel_step(
     for got, want in zip(per, per_ref):
         torch.testing.assert_close(got, want, **TOL)
     _loss(per).backward()
+    if expert_fsdp:
+        _assert_sharded(model, par.layout.efsdp)
 
     trained = [bank.get(s) for s in slots]
     dist_adapters.reduce_gradients(trained, par)
@@ -170,10 +198,153 @@ def expert_parallel_step(
     torch.testing.assert_close(gathered, single, **TOL)
 
     # sampling: every rank runs the same sequences; experts' shares summed by an all-reduce
+    # (with expert FSDP: gathered once for the whole run, as ShardedWorker.sample does)
     same = [seqs[0][:7], seqs[1][:4]]
     with torch.no_grad():
-        set_mode(model, "replicated")
-        replicated, _ = _forward(model, bank, same, dkeys, sorted(set(dkeys)))
-        set_mode(model, "all_to_all")
+        with fsdp.unsharded(model):
+            if expert_fsdp:
+                _assert_sharded(model, 1)
+            set_mode(model, "replicated")
+            replicated, _ = _forward(model, bank, same, dkeys, sorted(set(dkeys)))
+            replicated2, _ = _forward(model, bank, same, dkeys, sorted(set(dkeys)))
+            set_mode(model, "all_to_all")
+            if expert_fsdp:  # still gathered: not freed after each pass
+                _assert_sharded(model, 1)
         single, _ = _forward(ref, ref_bank, same, dkeys)
     torch.testing.assert_close(replicated, single, **TOL)
+    torch.testing.assert_close(replicated2, single, **TOL)
+    if expert_fsdp:
+        _assert_sharded(model, par.layout.efsdp)
+        assert _COMPUTE_SAW and all(_COMPUTE_SAW), "an Experts.compute ran on a sharded block"
+
+
+_COMPUTE_SAW: list[bool] = []  # per Experts.compute call: did it see its whole expert block?
+
+
+def _watch_compute() -> None:
+    """Record, for every :meth:`Experts.compute` call of this process (the reference model's too,
+    whose weights are whole), whether its weights were gathered: plain tensors holding the block."""
+    orig = Experts.compute
+
+    def compute(self, *args, **kwargs):
+        whole = all(not isinstance(p, DTensor) and p.shape[0] == self.num_experts
+                    for p in (self.gate_up_proj, self.down_proj))
+        _COMPUTE_SAW.append(whole)
+        return orig(self, *args, **kwargs)
+
+    Experts.compute = compute
+
+
+def _assert_sharded(model, efsdp: int) -> None:
+    """Every expert weight holds ``1/efsdp`` of its block here (``efsdp`` 1: gathered whole), and a
+    sharded one keeps no gathered copy (FSDP frees the gathered storage)."""
+    n = 0
+    for mod in model.modules():
+        if not isinstance(mod, Experts):
+            continue
+        state = fully_shard.state(mod)
+        groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]  # torch < 2.13: one
+        gathered = {id(fp._unsharded_param): fp for g in groups for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
+        for p in (mod.gate_up_proj, mod.down_proj):
+            block = p.numel() * p.element_size()  # a DTensor's: its global shape's
+            if efsdp == 1:
+                assert not isinstance(p, DTensor) and p.untyped_storage().nbytes() >= block
+                continue
+            assert isinstance(p, DTensor), type(p)
+            held = p.to_local().untyped_storage().nbytes()
+            assert held * efsdp == block, (held, block, efsdp)
+            assert all(fp._unsharded_param.untyped_storage().nbytes() == 0 for fp in gathered.values())
+        n += 1
+    assert n
+
+
+class _Counted:
+    def __init__(self, lookup):
+        self.lookup, self.calls = lookup, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.lookup(*args)
+
+
+def _check_host_tables(ref, model, par: Parallel) -> list[_Counted]:
+    """Each rank holds, in host memory, its block of ``rows / ep`` rows of every n-gram table (equal
+    to the one-process table's), and its lookup returns exactly the one-process rows of any ids, also
+    of none (while the others ask). Returns the layers' lookups, counting their calls."""
+    from ember.core.layers.ngram_memory import NGramEmbedding
+    from ember.dist.host_table import ShardedRows
+
+    ep, ep_rank = par.layout.ep, par.layout.ep_rank
+    whole = {n: m.ngram_embedding.weight for n, m in ref.named_modules() if isinstance(m, NGramEmbedding)}
+    counted = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, NGramEmbedding):
+            continue
+        table, full = mod.ngram_embedding.weight, whole[name]
+        n = full.shape[0] // ep
+        assert table.device.type == "cpu" and table.shape[0] * ep == full.shape[0], (table.shape, full.shape)
+        assert torch.equal(table, full[ep_rank * n : (ep_rank + 1) * n])
+        assert isinstance(mod.lookup, ShardedRows)
+        g = torch.Generator().manual_seed(par.rank)
+        for size in (37, 0 if par.rank % 2 else 5):
+            ids = torch.randint(0, full.shape[0], (size,), generator=g)
+            assert torch.equal(mod.lookup(table, ids, False), full[ids])
+        mod.lookup = _Counted(mod.lookup)
+        counted.append(mod.lookup)
+    assert len(counted) == len(whole)
+    return counted
+
+
+def expert_fsdp_step(rank: int, world: int, model_dir: str, tmp: str, ep: int):
+    """Expert FSDP, in one launch: :func:`expert_parallel_step`; the engine's worker
+    (``ShardedWorker.from_pretrained(expert_fsdp=True)``, rank 0 a ``FanOut``) against one process,
+    sampling included; then :func:`ember.dist.fsdp.shard_modules` on a trainable module: after a
+    backward each rank holds its piece of the SUM over the group of every rank's gradient (no
+    mean), and a step on the pieces gives the next forward the updated weights."""
+    from pathlib import Path
+
+    from ember.engine.ranks import FanOut, follow
+    from ember.engine.sharded import ShardedWorker
+    from ember.engine.worker import Worker
+    from tests.parallel import worker_cases
+
+    expert_parallel_step(rank, world, model_dir, ep, expert_fsdp=True)
+
+    kw = worker_cases.KW
+    worker = ShardedWorker.from_pretrained(model_dir, Parallel(ep), "cpu", torch.float32, expert_fsdp=True, **kw)
+    efsdp = worker.parallel.layout.efsdp
+    _assert_sharded(worker.model, efsdp)
+    if rank:
+        follow(worker)
+    else:
+        fan, ref = FanOut(worker), Worker.from_pretrained(model_dir, "cpu", torch.float32, **kw)
+        try:
+            worker_cases._check(fan, ref, Path(tmp))
+        finally:
+            fan.stop()
+    _assert_sharded(worker.model, efsdp)  # sharded again after sampling
+
+    group = worker.parallel.efsdp_group
+    members = dist.get_process_group_ranks(group)
+
+    def inputs(r):
+        return torch.randn(3, 8, generator=torch.Generator().manual_seed(100 + r))
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 6)
+    lin = torch.nn.Linear(8, 6)
+    lin.load_state_dict(ref.state_dict())
+    fsdp.shard_modules([lin], group)
+    assert isinstance(lin.weight, DTensor) and lin.weight.to_local().shape[0] * len(members) == 6
+    for r in members:
+        (ref(inputs(r)) ** 2).sum().backward()
+    (lin(inputs(rank)) ** 2).sum().backward()
+    for name, p in ref.named_parameters():
+        got = getattr(lin, name).grad.full_tensor()
+        torch.testing.assert_close(got, p.grad, **TOL)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            q = getattr(lin, name)
+            q.to_local().sub_(0.1 * q.grad.to_local())
+            p.sub_(0.1 * p.grad)
+        torch.testing.assert_close(lin(inputs(rank)), ref(inputs(rank)), **TOL)

@@ -26,6 +26,15 @@ def test_qwen3_moe_ep2_over_four_ranks(qwen3_moe_dir):
     run(4, ep_cases.expert_parallel_step, qwen3_moe_dir, 2)
 
 
+def test_qwen3_moe_ep2_expert_fsdp(qwen3_moe_dir, tmp_path):
+    """``--expert-fsdp`` at EP=2 over four ranks: each pair of ranks that holds the same experts
+    keeps half of their block each (FSDP2), gathered for each MoE layer's forward and backward and
+    freed after them, and once for a sampling run; the same logprobs, gradients, step and dispatch
+    modes as one process, also through the engine's worker. Then the general hook on a trainable
+    module: its gradients are the sums over the group."""
+    run(4, ep_cases.expert_fsdp_step, qwen3_moe_dir, str(tmp_path), 2)
+
+
 def _saved(hf, tmp_path_factory, name):
     path = tmp_path_factory.mktemp(name) / "m"
     hf.save_pretrained(str(path))
@@ -81,11 +90,13 @@ def test_sharded_worker_matches_one_process(qwen3_moe_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "shape, world, ep, rank",
-    [("inkling2-small-3l", 32, 32, 3), ("qwen3.8-flash-next-8l", 32, 16, 19), ("qwen3-30b-a3b", 32, 8, 13)],
+    [("inkling2-small-3l", 32, 32, 3), ("qwen3.8-flash-next-8l-ple", 32, 16, 19), ("qwen3-30b-a3b", 32, 8, 13)],
 )
 def test_large_layouts_hold_one_ep_th_of_the_experts(shape, world, ep, rank):
     """Inkling2 (384 experts) at EP=32, qwen4_exp (512) at EP=16 over 32 ranks (two ranks hold each
-    expert), Qwen3-30B-A3B (128) at EP=8: planned on the meta device with a fake process group."""
+    expert), Qwen3-30B-A3B (128) at EP=8: planned on the meta device with a fake process group.
+    qwen4_exp with its released n-gram table (51.2 B parameters at layer 2): each rank holds 1/EP of
+    its rows (in host memory), ~6.4 GB in bf16."""
     import json
     import subprocess
     import sys
@@ -102,6 +113,10 @@ def test_large_layouts_hold_one_ep_th_of_the_experts(shape, world, ep, rank):
     assert got["expert_bytes"] * ep == whole["expert_bytes"]
     assert got["lora32_expert_bytes"] * ep == whole["lora32_expert_bytes"]
     assert got["dense_bytes"] == whole["dense_bytes"]  # dense weights are replicated (no TP yet)
+    assert got["ngram_bytes"] * ep == whole["ngram_bytes"]
+    assert [r * ep for r in got["ngram_rows"]] == whole["ngram_rows"]
+    if shape.startswith("qwen3.8"):
+        assert whole["ngram_bytes"] > 100e9 and got["ngram_bytes"] < 7e9, whole["ngram_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +129,11 @@ def test_qwen3_tp2(qwen3_dir):
     run(2, ep_cases.expert_parallel_step, qwen3_dir, 1, False, 1e-5, 2)
 
 
-def test_qwen3_tp2_dp2(qwen3_dir):
-    """Two TP groups of two ranks running different sequences."""
-    run(4, ep_cases.expert_parallel_step, qwen3_dir, 1, False, 1e-5, 2)
+def test_qwen3_tp2_dp2(tmp_path_factory):
+    """Two TP groups of two ranks running different sequences; the LM head tied to the embedding
+    (the embedding stays whole, the head reads this rank's rows of it)."""
+    tied = save_hf_model(build_hf_model("qwen3", tie_word_embeddings=True), tmp_path_factory.mktemp("qwen3_tied"))
+    run(4, ep_cases.expert_parallel_step, str(tied), 1, False, 1e-5, 2)
 
 
 def test_qwen3_moe_tp2(qwen3_moe_dir):
@@ -178,3 +195,11 @@ def test_qwen4_exp_tp2(tmp_path_factory):
     three pieces per rank (checkpoints reassemble the pieces), gated attention with the QSA indexer
     (replicated) by heads, the n-gram memory replicated. Gradients within 1e-4 as for Qwen3-Next."""
     run(2, ep_cases.expert_parallel_step, _saved(_qwen4_exp(), tmp_path_factory, "qwen4_tp"), 1, False, 1e-4, 2)
+
+
+def test_vocab_parallel_logprobs():
+    """The chunked logprob pass over a vocabulary split in two (softcap, per-row temperatures, two
+    adapters' head LoRA; both backwards) equals the whole head in fp64, and so do a sampler's logits."""
+    from tests.parallel import vocab_cases
+
+    run(2, vocab_cases.vocab_parallel_logprobs)

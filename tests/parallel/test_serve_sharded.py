@@ -110,3 +110,38 @@ def test_sizes_that_do_not_divide_are_refused_at_start(tmp_path):
         out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--home", str(tmp_path / "home"),
                               "--model", f"m={path}", *flags], check=False, capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 2 and says in out.stderr, out.stderr
+
+
+def test_an_error_on_every_rank_leaves_them_in_step():
+    from tests.parallel import resync_cases
+    from tests.parallel.launch import run
+
+    run(2, resync_cases.every_rank_fails)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_an_error_on_one_rank_stops_the_engine_at_once(failing):
+    """Not after the collectives' timeout (ten minutes in the engine): the ranks that raised wait
+    at most the control group's timeout (3 s here) for the others, then the process exits."""
+    from tests.parallel import resync_cases
+    from tests.parallel.launch import run
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks exited with \[1, 1\]"):
+        run(2, resync_cases.one_rank_fails, failing, timeout=120)
+    assert time.monotonic() - t0 < 60
+
+
+def test_expert_fsdp_is_refused_where_it_cannot_apply(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.live_server import REPO
+
+    moe, dense = build_model(tmp_path / "moe", "qwen3_moe", seed=2), build_model(tmp_path / "dense", "qwen3", seed=2)
+    for path, flags, says in ((moe, ["--nproc", "2", "--ep", "2"], "--expert-fsdp needs --nproc (2) > --ep (2)"),
+                              (dense, ["--nproc", "2"], "--expert-fsdp needs MoE layers; 'm' (qwen3) has none")):
+        out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--home", str(tmp_path / "home"),
+                              "--model", f"m={path}", *flags, "--expert-fsdp"],
+                             check=False, capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert out.returncode == 2 and says in out.stderr, out.stderr

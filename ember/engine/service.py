@@ -701,6 +701,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-fsdp", action="store_true",
                     help="shard each block of experts over the --nproc/--ep ranks that hold it (FSDP2, "
                     "ember.dist.fsdp); needs MoE layers and --nproc > --ep")
+    ap.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
+                    help="recompute each decoder layer's activations in backward (training passes only): on, "
+                    "off, or auto (the default): on for a pass whose estimated activations would not fit in the "
+                    "free device memory (CUDA; off elsewhere)")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # set for the ranks rank 0 starts
     ap.add_argument("--dist-init", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -714,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, cpu_threads(args.cpu_threads) // args.nproc))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
-    kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank)
+    kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank,
+                  activation_checkpointing=args.activation_checkpointing)
     if args.nproc > 1:
         from ember.engine import ranks
 

@@ -4,10 +4,23 @@ It owns the model, the adapter bank and the adapters' optimizers, and speaks Emb
 request types (:mod:`ember.types`), never Tinker wire formats. ``forward_backward`` takes the
 requests of several adapters (and of the bare base model) and runs them as ONE packed pass: each
 request's logprobs and each adapter's gradients are what that request would get alone.
+
+Activation checkpointing (``activation_checkpointing``: ``auto`` | ``on`` | ``off``) applies to
+training passes only (a ``forward_backward`` with at least one request that trains, so grad mode
+is on); sampling and forward-only passes never checkpoint. ``on`` checkpoints every decoder layer
+of every training pass (:mod:`ember.core.checkpointing`). ``auto`` (the default) decides per pass:
+on CUDA it checkpoints when the pass's estimated activation memory
+(:func:`~ember.core.checkpointing.activation_bytes`, from the pass's tokens and the model's
+shape, or what earlier passes measured per token when that is more) plus the gradients the
+backward is yet to allocate exceed :data:`AUTO_FRACTION` of the memory still available on the
+device, and runs a forward that ran out of memory again with checkpointing (one process only);
+on other devices it is off. A sharded engine's ranks agree (any rank that would not fit turns it
+on for all: they must recompute the same layers).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
@@ -15,10 +28,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ember.core.adapters import Adapter, AdapterBank, LoraConfig
 from ember.core.batch import PackedBatch, pack
 from ember.core.checkpoint import load_adapter, save_adapter
+from ember.core.checkpointing import MODES, activation_bytes, apply_checkpointing, available_bytes
 from ember.core.layers.attention import PackedAttention
 from ember.core.layers.moe import RoutingRecord
 from ember.core.loading import load_model
@@ -43,6 +58,13 @@ from ember.types import (
     SampleInput,
     SampleOutput,
 )
+
+log = logging.getLogger("ember.engine.worker")
+
+# ``auto`` checkpoints a training pass whose estimated memory exceeds this fraction of the
+# available device memory (the estimate is within 12 % per layer on the measured shapes; the rest
+# is headroom for the backward's transients and allocator fragmentation)
+AUTO_FRACTION = 0.85
 
 
 class _Prepared:
@@ -74,7 +96,10 @@ class Worker:
         max_seq_len: int | None = None,
         logprob_chunk: int | None = None,
         sampler_config: SamplerConfig | None = None,
+        activation_checkpointing: str = "auto",
     ):
+        if activation_checkpointing not in MODES:
+            raise ValueError(f"activation_checkpointing must be one of {MODES}, got {activation_checkpointing!r}")
         self.model = model
         self.config = model.config
         self.bank = AdapterBank(model, max_adapters=max_adapters, max_rank=max_rank)
@@ -83,6 +108,10 @@ class Worker:
         self.logprob_chunk = logprob_chunk
         self.sampler_config = sampler_config
         self._sampler: SamplingEngine | None = None
+        self.activation_checkpointing = activation_checkpointing
+        self.checkpointing = apply_checkpointing(model) if activation_checkpointing != "off" else None
+        self._auto_on = False  # the last auto decision (logged when it turns on)
+        self._kept_per_token = 0.0  # most activation bytes per token a training forward kept (CUDA)
 
     @classmethod
     def from_pretrained(
@@ -349,8 +378,70 @@ class Worker:
                 reference={layer: reference[:, i] for i, layer in enumerate(layers)},
                 flips={},
             )
-        lp = self.logprobs(batch, batch.gather(targets).to(self.device), inv, routing)
+        lp = self._checkpointed_logprobs(batch, keys, batch.gather(targets).to(self.device), inv, routing)
         return batch.split(lp), _flip_counts(batch, routing)
+
+    def _checkpointed_logprobs(self, batch: PackedBatch, keys: list, targets, inv, routing) -> torch.Tensor:
+        """:meth:`logprobs` of a pass with its layers checkpointed or not (:meth:`_checkpoint_pass`).
+        On CUDA a training pass run without checkpointing measures what its forward kept per token
+        (what later ``auto`` decisions use when it exceeds the shape's estimate). Under ``auto``, a
+        forward that runs out of memory in one process is run again with checkpointing (nothing has
+        reached the gradients yet); a sharded engine's ranks cannot retry alone, so there it fails."""
+        tokens = batch.num_tokens
+        on = self._checkpoint_pass(tokens, keys)
+        measure = self.device.type == "cuda" and not on and torch.is_grad_enabled()
+        before = torch.cuda.memory_allocated(self.device) if measure else 0
+        try:
+            with self._checkpointing(on):
+                lp = self.logprobs(batch, targets, inv, routing)
+        except torch.cuda.OutOfMemoryError:
+            if on or self.activation_checkpointing != "auto" or getattr(self, "parallel", None) is not None:
+                raise
+            lp = None  # retried below, once the exception (and the tensors its frames hold) is gone
+        if lp is None:
+            self._kept_per_token = max(self._kept_per_token, available_bytes(self.device) / tokens)
+            log.warning("activation checkpointing on: the pass ran out of memory without it; running it again",
+                        extra={"tokens": tokens})
+            self._auto_on = True
+            with self._checkpointing(True):
+                return self.logprobs(batch, targets, inv, routing)
+        if measure:
+            kept = torch.cuda.memory_allocated(self.device) - before
+            self._kept_per_token = max(self._kept_per_token, kept / tokens)
+        return lp
+
+    def _checkpointing(self, on: bool):
+        return self.checkpointing.on(on) if self.checkpointing is not None else nullcontext()
+
+    def _checkpoint_pass(self, tokens: int, keys: list) -> bool:
+        """Whether this pass (``tokens`` tokens of ``keys``' (slot, trains) sequences) checkpoints
+        its layers (the module doc's rule)."""
+        mode = self.activation_checkpointing
+        if mode == "off" or not torch.is_grad_enabled():
+            return False
+        if mode == "on":
+            return True
+        if self.device.type != "cuda":
+            return False
+        parallel = getattr(self, "parallel", None)
+        tp = parallel.layout.tp if parallel is not None else 1
+        need = max(activation_bytes(self.model, tokens, tp=tp), int(tokens * self._kept_per_token))
+        for slot in {s for s, trains in keys if s and trains}:  # gradients the backward allocates
+            flat = self.bank.get(slot).flat
+            if flat.grad is None:
+                need += flat.numel() * flat.element_size()
+        available = available_bytes(self.device)
+        on = need > AUTO_FRACTION * available
+        if parallel is not None and parallel.world > 1:  # every rank must checkpoint the same layers
+            flag = torch.tensor([int(on)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            on = bool(flag.item())
+        if on and not self._auto_on:
+            log.info("activation checkpointing on: the pass would not fit",
+                     extra={"tokens": tokens, "estimate_gib": round(need / 2**30, 1),
+                            "available_gib": round(available / 2**30, 1)})
+        self._auto_on = on
+        return on
 
     def _routes(self, prepared: list[_Prepared], owners) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The pass's R3 routing per sequence: the datums' recorded experts (compared with the live

@@ -42,6 +42,7 @@ class EngineOptions:
     ep: int = 1  # expert-parallel degree
     tp: int = 1  # tensor-parallel degree
     expert_fsdp: bool = False  # experts sharded over the ranks that hold the same ones (ember.dist.fsdp)
+    activation_checkpointing: str = "auto"  # auto | on | off (ember.core.checkpointing)
 
 
 class EngineSupervisor:
@@ -68,6 +69,7 @@ class EngineSupervisor:
             "--log-format", o.log_format,
             "--parent-pid", str(os.getpid()), "--stability-memory-mb", str(o.stability_memory_mb),
             "--stability-disk-mb", str(o.stability_disk_mb), "--stability-ttl", str(o.stability_ttl_s),
+            "--activation-checkpointing", o.activation_checkpointing,
         ]
         if o.dtype:
             cmd += ["--dtype", o.dtype]

@@ -1,0 +1,362 @@
+"""Per-layer activation checkpointing (ember.core.checkpointing): a training pass with it gives the
+logprobs, LoRA gradients and MoE routing records of the pass without it (fp32), while autograd keeps
+less and every layer really runs again in the backward."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from ember.core.batch import pack
+from ember.core.checkpointing import apply_checkpointing
+from ember.core.layers.moe import Experts, RoutingRecord
+from ember.engine.worker import Worker
+from tests.lora_helpers import randomise
+from tests.tiny_models import random_sequences
+from tests.unit.test_mixed_batch import CONFIGS, _request
+
+
+def _deepseek():
+    from tests.parity.test_deepseek_v3 import CASES, build_hf
+
+    family, kw = CASES["deepseek_yarn"]  # a dense layer, then MoE layers with shared experts and a grouped router
+    return build_hf(family, **kw)
+
+
+def _qwen3_next():
+    from tests.parity.test_qwen3_next import build_hf
+
+    return build_hf()
+
+
+def _qwen4_exp():
+    from tests.parity.test_qwen4_exp import build_hf
+
+    return build_hf()  # PLE, QSA, GDN; layers take (x, input_ids, ctx)
+
+
+def _inkling2():
+    from tests.parity.test_inkling2 import build_hf_inkling2
+
+    return build_hf_inkling2()  # layers take (partial, bank, run); the bank grows at layers 3 and 6
+
+
+def _olmo3():
+    from tests.parity.test_olmo3 import build_hf
+
+    return build_hf()
+
+
+BUILDERS = {"deepseek_v3": _deepseek, "qwen3_next": _qwen3_next, "qwen4_exp": _qwen4_exp, "inkling2": _inkling2,
+            "olmo3": _olmo3}
+FAMILIES = ["qwen3", "qwen3_moe", *BUILDERS]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(hf_models, tmp_path_factory):
+    out = {fam: hf_models[fam][1] for fam in ("qwen3", "qwen3_moe")}
+    root = tmp_path_factory.mktemp("ckpt_models")
+    for fam, build in BUILDERS.items():
+        build().save_pretrained(str(root / fam))
+        out[fam] = root / fam
+    return out
+
+
+def _worker(path) -> Worker:
+    worker = Worker.from_pretrained(path, "cpu", torch.float32, logprob_chunk=16, activation_checkpointing="on")
+    for i, c in enumerate(CONFIGS):
+        randomise(worker.adapter(worker.create_adapter(c)), seed=100 + i, scale=0.05)
+    return worker
+
+
+def _requests(vocab: int):
+    rng = np.random.default_rng(0)
+    losses = ["cross_entropy", "ppo", "importance_sampling", "cross_entropy"]
+    reqs = [_request(s, random_sequences(vocab, [9 + 3 * s, 20, 5], seed=10 + s), rng, losses[s - 1])
+            for s in range(1, 5)]
+    reqs.append(_request(0, random_sequences(vocab, [14, 6], seed=50), rng, forward_only=True))
+    reqs.append(_request(2, random_sequences(vocab, [11], seed=51), rng, forward_only=True))
+    return reqs
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of the tensors autograd saves for backward outside checkpointed regions (distinct
+    storages). The checkpoint's own hooks take over inside a layer and keep nothing."""
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}
+
+        def pack_hook(t):
+            s = t.untyped_storage()
+            self.storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        super().__init__(pack_hook, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _step(worker: Worker, mode: str, requests):
+    worker.activation_checkpointing = mode
+    before = worker.checkpointing.recomputes
+    saved = _SavedBytes()
+    with saved:
+        outs = worker.forward_backward(requests)
+    grads = {}
+    for s in range(1, 5):
+        a = worker.adapter(s)
+        grads[s] = {k: g.clone() for k, g in a.grads().items()}
+        a.optimizer.zero_grad()
+    return outs, grads, worker.checkpointing.recomputes - before, saved.total
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpointed_pass_equals_the_plain_one(family, model_dirs):
+    worker = _worker(model_dirs[family])
+    requests = _requests(worker.config.vocab_size)
+    plain, g_plain, n_plain, bytes_plain = _step(worker, "off", requests)
+    ckpt, g_ckpt, n_ckpt, bytes_ckpt = _step(worker, "on", requests)
+    assert n_plain == 0 and n_ckpt == worker.config.num_layers  # every layer recomputed once, in backward
+    assert bytes_ckpt < bytes_plain / 3, (bytes_ckpt, bytes_plain)
+    for a, b in zip(plain, ckpt):
+        for x, y in zip(a.logprobs, b.logprobs):
+            np.testing.assert_array_equal(y, x)
+        assert b.metrics == a.metrics
+    for s in g_plain:
+        assert g_ckpt[s].keys() == g_plain[s].keys()
+        for k, g in g_plain[s].items():
+            torch.testing.assert_close(g_ckpt[s][k], g, atol=1e-6, rtol=1e-6, msg=f"slot {s} {k}")
+    if worker.model.moe_routers():
+        assert any(".experts." in k for k in g_plain[1])
+    # forward-only passes and sampling never checkpoint
+    worker.forward_backward([requests[-1]])
+    assert worker.checkpointing.recomputes == n_ckpt
+
+
+class _CountingDict(dict):
+    def __init__(self):
+        super().__init__()
+        self.writes = 0
+
+    def __setitem__(self, key, value):
+        self.writes += 1
+        super().__setitem__(key, value)
+
+
+def _routed_pass(worker: Worker, on: bool, routing: RoutingRecord, perturb_router: bool = False):
+    """One grad pass over a mixed batch with ``routing``; returns logprobs, the experts every MoE
+    layer computed with (first forward and recompute, in order) and the adapters' gradients."""
+    model = worker.model
+    vocab = worker.config.vocab_size
+    seqs = random_sequences(vocab, [12, 20, 9], seed=3)
+    batch = pack(seqs, [(1, True), (2, True), (3, True)], "cpu")
+    targets = torch.roll(batch.input_ids, -1)[:, None]
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[1].experts.clone()))
+             for m in model.modules() if isinstance(m, Experts)]
+    try:
+        with worker.checkpointing.on(on):
+            lp = worker.logprobs(batch, targets, routing=routing)
+        if perturb_router:  # the live router now picks other experts: a recompute that re-routed would differ
+            with torch.no_grad():
+                for gate in model.moe_routers().values():
+                    gate.weight.copy_(gate.weight.flip(0))
+        if lp.requires_grad:
+            (lp[:, 0] * torch.linspace(0.5, 1.5, lp.shape[0])).sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = {}
+    for s in (1, 2, 3):
+        a = worker.adapter(s)
+        grads[s] = {k: g.clone() for k, g in (a.grads() or {}).items()}
+        a.optimizer.zero_grad()
+    return lp.detach(), seen, grads
+
+
+def test_r3_replay_record_and_flips_under_checkpointing(model_dirs):
+    """Qwen3-MoE with a partial replay (the first sequence replays other experts, the rest routes
+    live), a record and flips against a reference: the checkpointed pass gives the same logprobs,
+    gradients, record and flips, writes the record and flips once per layer, and recomputes every
+    MoE layer with exactly the experts of its first forward, also when the router changed between
+    the forward and the backward."""
+    worker = _worker(model_dirs["qwen3_moe"])
+    live = RoutingRecord(record={})
+    with torch.no_grad():
+        _routed_pass(worker, False, live)
+    T = 41
+    other = {k: torch.where(torch.arange(T)[:, None] < 12, (v + 1) % 8, -1) for k, v in live.record.items()}
+
+    def routing():
+        return RoutingRecord(record=_CountingDict(), replay=other, reference=other, flips=_CountingDict())
+
+    plain_rec, ckpt_rec = routing(), routing()
+    lp_plain, seen_plain, g_plain = _routed_pass(worker, False, plain_rec)
+    lp_ckpt, seen_ckpt, g_ckpt = _routed_pass(worker, True, ckpt_rec)
+    torch.testing.assert_close(lp_ckpt, lp_plain, atol=0, rtol=0)
+    for s in g_plain:
+        for k, g in g_plain[s].items():
+            torch.testing.assert_close(g_ckpt[s][k], g, atol=1e-6, rtol=1e-6, msg=f"slot {s} {k}")
+    layers = sorted(worker.model.moe_routers())
+    for rec in (plain_rec, ckpt_rec):
+        assert sorted(rec.record) == sorted(rec.flips) == layers
+        assert rec.record.writes == rec.flips.writes == len(layers)  # once per layer, not again in the recompute
+    for i in layers:
+        torch.testing.assert_close(ckpt_rec.record[i], plain_rec.record[i], atol=0, rtol=0)
+        torch.testing.assert_close(ckpt_rec.flips[i], plain_rec.flips[i], atol=0, rtol=0)
+        assert ckpt_rec.flips[i][:12].all() and not ckpt_rec.flips[i][12:].any()
+    # the first forward's experts, then the recompute's (backward: last layer first) are the same
+    n = len(layers)
+    assert len(seen_plain) == n and len(seen_ckpt) == 2 * n
+    for first, again in zip(seen_ckpt[:n], reversed(seen_ckpt[n:])):
+        torch.testing.assert_close(again, first, atol=0, rtol=0)
+
+    # the router changes between forward and backward: the recompute still uses the first choice
+    state = {k: v.clone() for k, v in worker.model.state_dict().items() if "mlp.gate" in k}
+    try:
+        _, seen, _ = _routed_pass(worker, True, None, perturb_router=True)
+        moved = RoutingRecord(record={})  # what the changed router chooses: other experts
+        with torch.no_grad():
+            _routed_pass(worker, False, moved)
+    finally:
+        worker.model.load_state_dict(state, strict=False)
+    assert len(seen) == 2 * n
+    for i, first, again in zip(layers, seen[:n], reversed(seen[n:])):
+        torch.testing.assert_close(again, first, atol=0, rtol=0)
+        assert (moved.record[i] != first).any()
+
+
+# kept bytes per token of each layer after a LoRA forward (bf16, rank 32 on attention and MLP,
+# 2 x 2048 tokens, torch 2.11 on an H200, 2026-12; memory_allocated around each layer): the
+# calibration of ember.core.checkpointing.layer_elements
+GDN, QSA = 925, 387
+MEASURED_KB = {
+    "qwen3-8b": [147] + [138] * 35,
+    "olmo3-7b": [149] * 32,
+    "qwen3-30b-a3b": [116] * 48,
+    "qwen3-next-80b-a3b-8l": [534, 534, 534, 152] * 2,
+    "qwen3.8-flash-next-8l": [837, GDN, GDN, QSA, GDN, GDN, GDN, QSA],
+    "glm-4.7-flash": [133] + [134] * 46,
+    "deepseek-v3-4l": [407, 407, 407, 526],
+}
+
+
+def test_auto_is_off_on_cpu_and_the_estimate_follows_the_shape(model_dirs, caplog):
+    worker = Worker.from_pretrained(model_dirs["qwen3"], "cpu", torch.float32, logprob_chunk=16)
+    assert worker.activation_checkpointing == "auto"
+    slot = worker.create_adapter(CONFIGS[0])
+    before = worker.checkpointing.recomputes
+    worker.forward_backward([_request(slot, random_sequences(320, [30], seed=1), np.random.default_rng(0))])
+    assert worker.checkpointing.recomputes == before
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        Worker(worker.model, activation_checkpointing="always")
+    assert Worker(worker.model, activation_checkpointing="off").checkpointing is None
+
+    # the estimate per layer against what a LoRA forward kept on an H200 (KB per token, bf16)
+    from bench.common import SHAPES, ember_config
+    from ember.core.checkpointing import layer_elements
+    from ember.core.models import model_class
+
+    for name, measured in MEASURED_KB.items():
+        cfg = ember_config(SHAPES[name])
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg)
+        est = [2 * e / 1000 for e in layer_elements(model)]
+        assert len(est) == len(measured), name
+        for i, (e, m) in enumerate(zip(est, measured)):
+            assert abs(e / m - 1) < 0.12, (name, i, e, m)
+
+    # auto on CUDA: the decision uses the estimate against the available memory (faked here), and is logged
+    import ember.engine.worker as worker_mod
+
+    worker.device = torch.device("cuda")
+    caplog.set_level(logging.INFO, logger="ember.engine.worker")
+    orig = worker_mod.available_bytes
+    try:
+        worker_mod.available_bytes = lambda device: 1 << 20
+        with torch.enable_grad():
+            assert worker._checkpoint_pass(100, [(slot, True)])
+        worker_mod.available_bytes = lambda device: 1 << 40
+        with torch.enable_grad():
+            assert not worker._checkpoint_pass(100, [(slot, True)])
+        with torch.no_grad():
+            worker_mod.available_bytes = lambda device: 1 << 20
+            assert not worker._checkpoint_pass(100, [(slot, True)])  # no grad: never
+    finally:
+        worker_mod.available_bytes = orig
+        worker.device = torch.device("cpu")
+    assert [r.message for r in caplog.records].count("activation checkpointing on: the pass would not fit") == 1
+
+
+def test_wrapping_is_once_per_model_and_names_stay(model_dirs):
+    worker = _worker(model_dirs["qwen3"])
+    names = [n for n, _ in worker.model.named_parameters()]
+    assert apply_checkpointing(worker.model) is worker.checkpointing
+    assert Worker(worker.model, activation_checkpointing="on").checkpointing is worker.checkpointing
+    assert [n for n, _ in worker.model.named_parameters()] == names
+    assert all(n.startswith(("model.", "lm_head.")) for n in names)
+
+
+def test_the_flag_reaches_the_engine(capsys):
+    """``ember serve --activation-checkpointing`` -> EngineOptions -> the engine command -> its
+    argparse (which takes only auto | on | off)."""
+    from types import SimpleNamespace
+
+    from ember.engine import service
+    from ember.server.supervisor import EngineOptions, EngineSupervisor
+
+    model = SimpleNamespace(path="/models/m")
+    for value in ("auto", "on", "off"):
+        sup = EngineSupervisor(None, {"m": model}, EngineOptions("sqlite://", "/tmp/ckpt", activation_checkpointing=value))
+        cmd = sup.command("m")
+        assert cmd[cmd.index("--activation-checkpointing") + 1] == value
+    with pytest.raises(SystemExit):
+        service.main(["--base-model", "m", "--model-path", "/x", "--database-url", "sqlite://", "--storage", "/tmp",
+                      "--activation-checkpointing", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+
+
+def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, caplog):
+    """One process, ``auto`` on CUDA (faked): a forward that runs out of memory without
+    checkpointing runs again with it, and later passes of that size checkpoint from the start;
+    what a pass without checkpointing kept per token raises the estimate. ``on`` does not retry."""
+    import ember.engine.worker as worker_mod
+
+    worker = Worker.from_pretrained(model_dirs["qwen3"], "cpu", torch.float32)
+    slot = worker.create_adapter(CONFIGS[0])
+    batch = pack(random_sequences(320, [40], seed=1), [(slot, True)], "cpu")
+    calls, allocated = [], [0]
+
+    def logprobs(batch, targets, inv=None, routing=None):
+        calls.append(worker.checkpointing.active)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        allocated[0] += 1000 * batch.num_tokens
+        return torch.zeros(batch.num_tokens, 1)
+
+    monkeypatch.setattr(worker, "logprobs", logprobs)
+    monkeypatch.setattr(worker_mod, "available_bytes", lambda device: 40 << 20)
+    monkeypatch.setattr(worker_mod, "activation_bytes", lambda model, tokens, tp=1: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    worker.device = torch.device("cuda")
+    caplog.set_level(logging.INFO, logger="ember.engine.worker")
+    keys = [(slot, True)]
+    with torch.enable_grad():
+        worker._checkpointed_logprobs(batch, keys, None, None, None)
+        assert calls == [False, True]
+        assert worker._kept_per_token == (40 << 20) / 40  # at least what was free, per token
+        assert worker._checkpoint_pass(40, keys)  # the next pass of this size checkpoints at once
+        assert not worker._checkpoint_pass(1, keys)  # a small one does not
+        worker._kept_per_token = 0.0
+        worker._checkpointed_logprobs(batch, keys, None, None, None)  # fits: measures what it kept
+        assert calls[-1] is False and worker._kept_per_token == 1000
+        calls.clear()
+        worker.activation_checkpointing = "off"
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            worker._checkpointed_logprobs(batch, keys, None, None, None)
+    assert "ran out of memory without it" in caplog.text

@@ -72,8 +72,13 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int, expert_fsdp: bool 
         if tp > 1:
             if cfg.model_type not in TP_FAMILIES:
                 raise ValueError(f"--tp is built for {', '.join(TP_FAMILIES)} so far, not {cfg.model_type} ({name!r})")
-            for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
-                            ("MLP width", cfg.intermediate_size), ("vocabulary entries", cfg.vocab_size)):
+            sizes = [("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
+                     ("MLP width", cfg.intermediate_size), ("vocabulary entries", cfg.vocab_size)]
+            # Inkling2's sliding-window layers have head counts of their own
+            sizes += [(f"sliding-window {what}", int(cfg.raw[key])) for what, key in (
+                ("attention heads", "swa_num_attention_heads"), ("key/value heads", "swa_num_key_value_heads"))
+                if cfg.raw.get(key) is not None]
+            for what, n in sizes:
                 if n % tp:
                     raise ValueError(f"--tp {tp} must divide the {n} {what} of {name!r}")
 
@@ -111,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         stability_memory_mb=args.stability_memory_mb, stability_disk_mb=args.stability_disk_mb,
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
         nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
+        activation_checkpointing=args.activation_checkpointing,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -212,12 +218,18 @@ def main(argv: list[str] | None = None) -> int:
                        help="expert-parallel degree: each of --ep processes holds 1/EP of every MoE layer's experts; "
                        "must divide --nproc and the number of experts (default 1)")
     serve.add_argument("--tp", type=int, default=1,
-                       help="tensor-parallel degree: --tp consecutive processes split the attention heads and MLP "
-                       "width (every family but Inkling2); must divide --nproc, the heads and the width (default 1)")
+                       help="tensor-parallel degree: --tp consecutive processes split the attention heads, the MLP "
+                       "width and the vocabulary; must divide --nproc, the heads (Inkling2: also its sliding-window "
+                       "layers'), the width and the vocabulary (default 1)")
     serve.add_argument("--expert-fsdp", action="store_true",
                        help="also shard each block of experts over the --nproc/--ep processes that hold it (FSDP2): "
                        "each keeps 1/(nproc/ep) of it, and a layer's block is gathered for its forward and backward "
                        "and freed after them, and gathered once per sampling run; needs MoE models and --nproc > --ep")
+    serve.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
+                       help="recompute each decoder layer's activations in the backward instead of keeping them, "
+                       "for training passes (never sampling or forward-only ones): on, off, or auto: on for a "
+                       "pass whose estimated activations would not fit in the free GPU memory, off on the CPU "
+                       "(default auto)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

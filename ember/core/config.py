@@ -14,7 +14,7 @@ from typing import Any
 # families whose attention and MLP ember.dist can split by tensor parallelism (here: torch-free, for
 # ember serve's checks)
 TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo3", "deepseek_v3", "glm4_moe_lite", "qwen3_next",
-               "qwen4_exp", "qwen4_exp_text")
+               "qwen4_exp", "qwen4_exp_text", "inkling2", "inkling2_text")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from torch import nn
 from ember.core.layers.gated_deltanet import GatedDeltaNet
 from ember.core.layers.lora import LoraLinear
 from ember.core.layers.mla import MultiHeadLatentAttention
+from ember.core.layers.short_conv import DynamicShortConvolution
+from ember.core.models.inkling2 import Inkling2Attention
 from ember.dist import comm
 from ember.dist.mesh import Parallel
 
@@ -138,13 +140,21 @@ class VocabParallel:
 
 def _split_vocab(model: nn.Module, parallel: Parallel, blocks: dict, kinds: dict) -> None:
     """The LM head by vocabulary rows: its own rows when untied; tied, the embedding stays whole
-    (every rank looks up every token) and the head reads this rank's rows of it."""
+    (every rank looks up every token) and the head reads this rank's rows of it. A head stored
+    with padding rows past the vocabulary (Inkling2's ``PaddedLMHead``) splits its token rows and
+    drops the padding, so no padded logit ever exists; TP must then divide the vocabulary itself."""
     head, vocab = model.lm_head, model.config.vocab_size
     if vocab % parallel.layout.tp:
         raise ValueError(f"--tp {parallel.layout.tp} must divide the vocabulary ({vocab})")
     start, stop = parallel.layout.tp_range(vocab)
     if model.config.tie_word_embeddings:
         head.out_features = stop - start
+    elif head.weight.shape[0] != vocab:
+        # a head stored with padding rows beyond the tokens (Inkling2's PaddedLMHead): the token
+        # rows are split, the padding is never read
+        head.weight = _narrowed(head.weight, [(start, stop - start)])
+        head.out_features = stop - start
+        blocks["lm_head.weight"] = (0, start, stop - start)
     else:
         _split(head, "lm_head", parallel, 0, blocks)
     model.vocab_split = VocabParallel(parallel.tp_group, start, stop, vocab)
@@ -257,10 +267,66 @@ def _shard_gated_deltanet(mod, name, parallel, blocks, kinds, pieces, column, ro
     mod.shape = replace(s, num_k_heads=k1 - k0, num_v_heads=v1 - v0)
 
 
+def _narrow_param(mod: nn.Module, pname: str, name: str, dim: int, start: int, n: int, blocks: dict) -> None:
+    """Narrow the frozen parameter ``pname`` of ``mod`` (named ``name``) to ``[start, start + n)``
+    along ``dim``."""
+    p = getattr(mod, pname)
+    setattr(mod, pname, nn.Parameter(p.data.narrow(dim, start, n).clone(), requires_grad=False))
+    blocks[f"{name}.{pname}"] = (dim, start, n)
+
+
+def _shard_inkling2_attention(mod: Inkling2Attention, name, parallel, blocks, kinds, column, row) -> None:
+    """Inkling2's relative attention by heads (global and sliding-window layers have their own head
+    and KV-head counts and head dims): ``q``/``gate`` by query heads and ``k``/``v`` by KV heads
+    (column-parallel), ``o`` row-parallel; narrowed with them, all frozen: the relative-state
+    projection ``r_proj`` (``d_rel`` rows per head), the sink projection (one row per head), the
+    L2-clip scales (``[heads, ·]``), the K/V short convolutions' channels and, on global layers,
+    their per-KV-head tap projections and static taps. The profile bank (``[d_rel, R]``) is shared
+    by the heads and stays whole.
+
+    The frozen projections' input gradients need no collective of their own: training passes run
+    under sequence parallelism, where the gather of the attention's inputs (``x``, ``k_in``,
+    ``v_in``) sums every rank's part of their gradients in its reduce-scatter; plain TP serves
+    sampling, without gradients."""
+    tp = parallel.layout.tp
+    layer = "global" if mod.is_global else "sliding-window"
+    for what, n in (("attention heads", mod.heads), ("key/value heads", mod.kv_heads)):
+        if n % tp:
+            raise ValueError(f"--tp {tp} must divide the {n} {what} of {name} (a {layer} layer)")
+    h0, h1 = parallel.layout.tp_range(mod.heads)
+    k0, k1 = parallel.layout.tp_range(mod.kv_heads)
+    nh, nk, d = h1 - h0, k1 - k0, mod.head_dim
+    for leaf in ("q_proj", "k_proj", "v_proj", "gate_proj"):
+        _split(getattr(mod, leaf), f"{name}.{leaf}", parallel, 0, blocks)
+        getattr(mod, leaf).shard = column
+        kinds[f"{name}.{leaf}.lora_A"], kinds[f"{name}.{leaf}.lora_B"] = PARTIAL, SHARDED_ROWS
+    _split(mod.o_proj, f"{name}.o_proj", parallel, 1, blocks)
+    mod.o_proj.shard = row
+    kinds[f"{name}.o_proj.lora_A"], kinds[f"{name}.o_proj.lora_B"] = SHARDED_COLS, PARTIAL
+    d_rel = mod.r_proj.out_features // mod.heads
+    for leaf, per_head in (("r_proj", d_rel), ("sink_proj", 1)):
+        lin = getattr(mod, leaf)
+        _narrow_param(lin, "weight", f"{name}.{leaf}", 0, h0 * per_head, nh * per_head, blocks)
+        lin.out_features = nh * per_head
+    for leaf in ("q_l2_clip", "rel_l2_clip"):  # scale [heads, ·]
+        _narrow_param(getattr(mod, leaf), "scale", f"{name}.{leaf}", 0, h0, nh, blocks)
+    for leaf in ("k_sconv", "v_sconv"):
+        conv, where = getattr(mod, leaf), f"{name}.{leaf}"
+        if isinstance(conv, DynamicShortConvolution):  # static taps [K, channels], tap projection [heads · K, H]
+            _narrow_param(conv, "static_weight", where, 1, k0 * d, nk * d, blocks)
+            K = conv.kernel
+            _narrow_param(conv.weight_proj, "weight", f"{where}.weight_proj", 0, k0 * K, nk * K, blocks)
+            conv.weight_proj.out_features, conv.num_heads = nk * K, nk
+        else:  # [channels, 1, K]
+            _narrow_param(conv.conv1d, "weight", f"{where}.conv1d", 0, k0 * d, nk * d, blocks)
+    mod.heads, mod.kv_heads = nh, nk
+
+
 def shard_linears(model: nn.Module, parallel: Parallel) -> tuple[dict[str, str], dict[str, list[int]]]:
     """Split the attention and dense-MLP projections (q/k/v and gate/up column-parallel, o and
     down row-parallel; Olmo 3's whole-width q/k norms with them; MLA's ``q_b``/``kv_b`` by heads
-    behind latents computed whole; Gated DeltaNet by key heads) and the LM head by vocabulary, in place. Returns the kind of
+    behind latents computed whole; Gated DeltaNet by key heads; Inkling2's relative attention by
+    heads) and the LM head by vocabulary, in place. Returns the kind of
     every LoRA factor (``{module}.lora_A`` / ``.lora_B``) of a split module, and for a factor whose
     rows are several pieces of the whole (``[q | k | v]``), this rank's length of each piece."""
     tp = parallel.layout.tp
@@ -275,9 +341,15 @@ def shard_linears(model: nn.Module, parallel: Parallel) -> tuple[dict[str, str],
     kinds, pieces = {}, {}
     blocks = model.__dict__.setdefault("param_blocks", {})  # read by load_model: what to read of each tensor
     column, row = ColumnParallel(parallel.tp_group), RowParallel(parallel.tp_group)
+    done: set[str] = set()  # modules split with their parent
     for name, mod in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(mod, MultiHeadLatentAttention):
+        if name.rsplit(".", 1)[0] in done:
+            done.add(name)
+        elif isinstance(mod, Inkling2Attention):
+            _shard_inkling2_attention(mod, name, parallel, blocks, kinds, column, row)
+            done.add(name)
+        elif isinstance(mod, MultiHeadLatentAttention):
             mod.cfg = replace(mod.cfg, num_heads=mod.cfg.num_heads // tp)  # this rank's heads
         elif isinstance(mod, LoraLinear) and mla and leaf in ("q_a_proj", "kv_a_proj_with_mqa"):
             mod.shard = copied  # whole on every rank; kind: replicated

@@ -71,7 +71,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> Non
 
 def expert_parallel_step(
     rank: int, world: int, model_dir: str, ep: int, replay_first_experts: bool = False, grad_rtol: float = 1e-5,
-    tp: int = 1, expert_fsdp: bool = False,
+    tp: int = 1, expert_fsdp: bool = False, seed: int = 5,
 ):
     """Logprobs, LoRA gradients (mixed adapters, a forward-only one, the base model), one clipped
     AdamW step and the gathered checkpoint tensors equal one process's; then a decode-style pass
@@ -80,6 +80,9 @@ def expert_parallel_step(
     ``expert_fsdp``: the experts also sharded over the ranks that hold the same ones
     (:func:`ember.dist.fsdp.shard_expert_weights`); each rank must then hold ``1/efsdp`` of its
     block between passes and the whole block inside every :meth:`Experts.compute`.
+
+    ``seed``: of the batch's sequences (their lengths decide where sequence parallelism splits
+    the pass: at a document boundary or inside a document).
 
     Logprobs and weights: elementwise 1e-5. Gradients: relative L2 error ``grad_rtol``."""
     ref = load_model(model_dir, "cpu", torch.float32)
@@ -109,7 +112,7 @@ def expert_parallel_step(
                 a.tensors()[name].copy_(t)
 
     vocab = model.config.vocab_size
-    seqs = _sequences(vocab, 9, seed=5)
+    seqs = _sequences(vocab, 9, seed=seed)
     # slots 1-3 train, slot 2 also appears forward-only, slot 0 is the base model
     keys = [(s, True) for s in (1, 2, 3, 1, 3)] + [(2, False), (0, False), (0, False), (1, True)]
     step_keys = sorted(set(keys))
@@ -184,6 +187,14 @@ def expert_parallel_step(
             torch.testing.assert_close(values[name], t, **TOL)
 
     if ep == 1:
+        if tp > 1:  # sampling keeps plain TP: every rank of a group runs the same sequences
+            same, skeys = [seqs[0][:7], seqs[1][:4]], [(1, False), (3, False)]
+            with torch.no_grad():
+                set_mode(model, "replicated")
+                plain, _ = _forward(model, bank, same, skeys, sorted(set(skeys)))
+                set_mode(model, "all_to_all")
+                single, _ = _forward(ref, ref_bank, same, skeys)
+            torch.testing.assert_close(plain, single, **TOL)
         return
     # decode: every rank holds the same number of tokens, dispatched by all-gather + reduce-scatter
     decode = [[(7 * dp_rank + j) % vocab for j in range(6)], seqs[0][:3] * 2]  # the same within a TP group
@@ -348,3 +359,46 @@ def expert_fsdp_step(rank: int, world: int, model_dir: str, tmp: str, ep: int):
             q.to_local().sub_(0.1 * q.grad.to_local())
             p.sub_(0.1 * p.grad)
         torch.testing.assert_close(lin(inputs(rank)), ref(inputs(rank)), **TOL)
+
+
+def inkling2_tp(rank: int, world: int, model_dir: str, tmp: str, ep: int):
+    """Inkling2 under TP=2 (sequence parallelism in training passes, plain TP when sampling), in one
+    launch: :func:`expert_parallel_step` (``seed`` 6: the token split of every TP group cuts a
+    document, so the residual-side short convolutions read rows of the rank before); with EP=1 the
+    engine's worker too (seeded sampling through the KV cache's relative attention), with 4 ranks
+    the convolutions' history at TP=4 (:func:`conv_history`)."""
+    from tests.parallel import worker_cases
+
+    expert_parallel_step(rank, world, model_dir, ep, False, 1e-5, 2, False, 6)
+    if ep == 1:
+        worker_cases.sharded_worker_matches_one_process(rank, world, model_dir, tmp, 1, 2)
+    if world == 4:
+        conv_history(rank, world)
+
+
+def conv_history(rank: int, world: int):
+    """A short convolution over this rank's slice of the tokens and the rows before it
+    (:meth:`SequenceParallel.with_history`, TP = ``world``) equals the convolution of the whole pass,
+    gradients included: slices shorter than the window (history from several ranks), an empty
+    slice, documents that start inside a slice or span several."""
+    from ember.core.layers.short_conv import ShortConvolution
+    from ember.dist.sequence_parallel import SequenceParallel
+
+    torch.manual_seed(0)
+    conv = ShortConvolution(5, 4, 0, "c")
+    sp = SequenceParallel(Parallel(1, world))
+    g = torch.Generator().manual_seed(1)
+    for lens in ([4, 2], [3], [5, 8], [1] * 7, [2, 9, 1, 4]):
+        T = sum(lens)
+        x, up = torch.randn(T, 5, generator=g), torch.randn(T, 5, generator=g)
+        sp.split(T)
+        start, end = sp.bounds()
+        mine = x[start:end].clone().requires_grad_()
+        rows, window = sp.with_history(mine, lens, conv.kernel - 1)
+        y = conv(rows, window)[rows.shape[0] - (end - start) :]
+        (y * up[start:end]).sum().backward()
+        whole = x.clone().requires_grad_()
+        want = conv(whole, lens)
+        (want * up).sum().backward()
+        torch.testing.assert_close(y, want[start:end], **TOL)
+        torch.testing.assert_close(mine.grad, whole.grad[start:end], **TOL)

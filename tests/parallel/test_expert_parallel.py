@@ -197,6 +197,54 @@ def test_qwen4_exp_tp2(tmp_path_factory):
     run(2, ep_cases.expert_parallel_step, _saved(_qwen4_exp(), tmp_path_factory, "qwen4_tp"), 1, False, 1e-4, 2)
 
 
+@pytest.fixture(scope="module")
+def inkling2_tp_dir(tmp_path_factory):
+    """The parity tests' tiny Inkling2 with two KV heads on its sliding-window layers (it has one,
+    which TP=2 cannot split): global layers 4 heads / 2 KV heads of 16, sliding ones 4 / 2 of 8."""
+    from unittest import mock
+
+    from tests.parity import test_inkling2
+
+    with mock.patch.dict(test_inkling2.TINY, swa_num_key_value_heads=2):
+        return _saved(_inkling2(), tmp_path_factory, "inkling2_tp")
+
+
+def test_inkling2_tp2(inkling2_tp_dir, tmp_path):
+    """Inkling2 under TP=2: the relative attention split by heads (q/k/v/gate and o, with the
+    relative-state and sink projections, L2-clip scales, K/V short convolutions and the global
+    layers' tap projections), the residual-side short convolutions fed the rows before each rank's
+    slice, the padded LM head split over its token rows; then the engine's worker, seeded sampling
+    included, against one process."""
+    run(2, ep_cases.inkling2_tp, inkling2_tp_dir, str(tmp_path), 1)
+
+
+def test_inkling2_ep2_tp2_over_four_ranks(inkling2_tp_dir, tmp_path):
+    """EP=2 × TP=2 over four ranks (two TP groups running different sequences, each rank
+    dispatching its own rows to the experts; decode and sampling dispatch modes), then the
+    convolutions' history at TP=4."""
+    run(4, ep_cases.inkling2_tp, inkling2_tp_dir, str(tmp_path), 2)
+
+
+def test_inkling2_tp_refuses_heads_it_cannot_split(tmp_path):
+    """The parity config's sliding-window layers have one KV head: ``ember serve`` and the sharder
+    both refuse TP=2, naming it."""
+    import json
+    from types import SimpleNamespace
+
+    from ember.cli import _check_layout
+    from ember.core.config import load_config
+    from ember.core.loading import build_empty
+    from ember.dist.mesh import Layout
+    from ember.dist.tensor_parallel import shard_linears
+    from tests.parity.test_inkling2 import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "inkling2_text"}))
+    with pytest.raises(ValueError, match="must divide the 1 sliding-window key/value heads of 'ink'"):
+        _check_layout({"ink": SimpleNamespace(path=tmp_path)}, 2, 1, 2)
+    with pytest.raises(ValueError, match=r"must divide the 1 key/value heads of model\.layers\.1\.self_attn \(a sliding"):
+        shard_linears(build_empty(load_config(tmp_path)), SimpleNamespace(layout=Layout(2, 0, tp=2), tp_group=None))
+
+
 def test_vocab_parallel_logprobs():
     """The chunked logprob pass over a vocabulary split in two (softcap, per-row temperatures, two
     adapters' head LoRA; both backwards) equals the whole head in fp64, and so do a sampler's logits."""

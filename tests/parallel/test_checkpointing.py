@@ -1,16 +1,9 @@
 """Activation checkpointing of a sharded worker on gloo (2 CPU processes): the recompute enters
 each layer's collectives again on every rank and gives the pass without checkpointing."""
 
-import pytest
 
 from tests.parallel import checkpointing_cases
 from tests.parallel.launch import run
-from tests.tiny_models import build_hf_model, save_hf_model
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe_dir(tmp_path_factory):
-    return str(save_hf_model(build_hf_model("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
 
 
 def test_qwen3_moe_ep2(qwen3_moe_dir):

@@ -7,11 +7,6 @@ from tests.parallel.launch import run
 from tests.tiny_models import build_hf_model, save_hf_model
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_dir(tmp_path_factory):
-    return str(save_hf_model(build_hf_model("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
-
-
 def test_qwen3_moe_ep2(qwen3_moe_dir):
     run(2, ep_cases.expert_parallel_step, qwen3_moe_dir, 2)
 
@@ -117,11 +112,6 @@ def test_large_layouts_hold_one_ep_th_of_the_experts(shape, world, ep, rank):
     assert [r * ep for r in got["ngram_rows"]] == whole["ngram_rows"]
     if shape.startswith("qwen3.8"):
         assert whole["ngram_bytes"] > 100e9 and got["ngram_bytes"] < 7e9, whole["ngram_bytes"]
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return str(save_hf_model(build_hf_model("qwen3"), tmp_path_factory.mktemp("qwen3")))
 
 
 def test_qwen3_tp2(qwen3_dir):

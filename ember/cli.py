@@ -116,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         stability_memory_mb=args.stability_memory_mb, stability_disk_mb=args.stability_disk_mb,
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
         nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -230,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                        "for training passes (never sampling or forward-only ones): on, off, or auto: on for a "
                        "pass whose estimated activations would not fit in the free GPU memory, off on the CPU "
                        "(default auto)")
+    serve.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
+                       help="precision of the sampler's copy of the base attention/MLP projections and routed "
+                       "experts (not embeddings, norms, routers or the LM head): bf16 (the model's own weights), "
+                       "fp8 (e4m3 with 128x128 block scales; scaled_mm on Hopper: half the bytes, but slower than bf16 "
+                       "today: its activation quantisation is unfused; else quantise-dequantise) or "
+                       "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
+                       "the model dtype and training keeps the model's weights (default bf16)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

@@ -705,6 +705,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="recompute each decoder layer's activations in backward (training passes only): on, "
                     "off, or auto (the default): on for a pass whose estimated activations would not fit in the "
                     "free device memory (CUDA; off elsewhere)")
+    ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
+                    help="the sampler's copy of the base projections and routed experts: bf16 (the model's own "
+                    "weights), fp8 (e4m3, 128x128 block scales) or mxfp8 (OCP MX, 32-element E8M0 blocks); "
+                    "training keeps the model's weights (ember.core.rollout_precision)")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # set for the ranks rank 0 starts
     ap.add_argument("--dist-init", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -719,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
     kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank,
-                  activation_checkpointing=args.activation_checkpointing)
+                  activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision)
     if args.nproc > 1:
         from ember.engine import ranks
 

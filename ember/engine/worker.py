@@ -42,6 +42,7 @@ from ember.core.losses import loss_sum
 from ember.core.models import CausalLM, ForwardContext
 from ember.core.optim import AdamParams
 from ember.core.peft_format import export_peft, import_peft
+from ember.core.rollout_precision import check_precision
 from ember.core.sampling import InvalidGeneration, SamplerConfig, SamplingEngine
 from ember.core.sampling.requests import Detokenize
 from ember.core.stable_reinforce import stable_reinforce
@@ -97,6 +98,7 @@ class Worker:
         logprob_chunk: int | None = None,
         sampler_config: SamplerConfig | None = None,
         activation_checkpointing: str = "auto",
+        rollout_precision: str | None = None,
     ):
         if activation_checkpointing not in MODES:
             raise ValueError(f"activation_checkpointing must be one of {MODES}, got {activation_checkpointing!r}")
@@ -106,6 +108,9 @@ class Worker:
         self.device = self.bank.device
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         self.logprob_chunk = logprob_chunk
+        if rollout_precision is not None:  # overrides sampler_config's (ember.core.rollout_precision)
+            check_precision(rollout_precision)
+            sampler_config = replace(sampler_config or SamplerConfig(), rollout_precision=rollout_precision)
         self.sampler_config = sampler_config
         self._sampler: SamplingEngine | None = None
         self.activation_checkpointing = activation_checkpointing

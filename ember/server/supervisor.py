@@ -43,6 +43,7 @@ class EngineOptions:
     tp: int = 1  # tensor-parallel degree
     expert_fsdp: bool = False  # experts sharded over the ranks that hold the same ones (ember.dist.fsdp)
     activation_checkpointing: str = "auto"  # auto | on | off (ember.core.checkpointing)
+    rollout_precision: str = "bf16"  # bf16 | fp8 | mxfp8: the sampler's base weights (ember.core.rollout_precision)
 
 
 class EngineSupervisor:
@@ -69,7 +70,7 @@ class EngineSupervisor:
             "--log-format", o.log_format,
             "--parent-pid", str(os.getpid()), "--stability-memory-mb", str(o.stability_memory_mb),
             "--stability-disk-mb", str(o.stability_disk_mb), "--stability-ttl", str(o.stability_ttl_s),
-            "--activation-checkpointing", o.activation_checkpointing,
+            "--activation-checkpointing", o.activation_checkpointing, "--rollout-precision", o.rollout_precision,
         ]
         if o.dtype:
             cmd += ["--dtype", o.dtype]

@@ -220,9 +220,14 @@ class LoraLinear(nn.Module):
     ``shard`` (default ``None``) is set from outside when the weight is split across processes
     (:mod:`ember.dist.tensor_parallel`): ``shard(self, x, lora)`` then runs the product with the
     collectives its split needs. A module split along its input holds columns ``in_start ..`` of
-    ``full_in_features``."""
+    ``full_in_features``.
+
+    ``rollout`` (default ``None``) is set from outside (:mod:`ember.core.rollout_precision`) to the
+    sampler's quantised copy of the weight; while it is ``active`` (inside the sampler's passes) the
+    base product uses that copy."""
 
     shard = None
+    rollout = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, category: str):
         super().__init__()
@@ -242,6 +247,8 @@ class LoraLinear(nn.Module):
 
     def product(self, x: torch.Tensor, lora: LoraRoute | None, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` with the route's LoRA corrections, on this process's weight."""
+        if self.rollout is not None and self.rollout.active:
+            return self.rollout.product(self, x, lora, bias)
         if lora is None:
             return F.linear(x, self.weight, bias)
         return lora.linear(self.lora_name, x, self.weight, bias)

@@ -191,10 +191,14 @@ class Experts(nn.Module):
     ``dispatch`` (default ``None``: every expert is here) is set from outside when the experts are
     sharded across processes (:mod:`ember.dist.expert_parallel`); the module then holds experts
     ``expert_start ..`` ``+ num_experts`` of ``global_experts``, and ``dispatch(self, x, routing,
-    lora)`` moves rows to their experts' ranks, runs :meth:`compute` there and brings them back."""
+    lora)`` moves rows to their experts' ranks, runs :meth:`compute` there and brings them back.
+
+    ``rollout`` (default ``None``) is set from outside (:mod:`ember.core.rollout_precision`): while
+    it is ``active`` (the sampler's passes) :meth:`compute` uses its quantised copies of the weights."""
 
     accumulate_fp32 = False
     dispatch = None
+    rollout = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int):
         super().__init__()
@@ -248,9 +252,12 @@ class Experts(nn.Module):
             A, B, scale_rows = factors
             return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, lora_offsets, scale_rows, A, B)
 
-        gate, up = project(x, rows, None, self.gate_up_proj, "gate_up_proj").chunk(2, dim=-1)
+        gate_up_w, down_w = self.gate_up_proj, self.down_proj
+        if self.rollout is not None and self.rollout.active:
+            gate_up_w, down_w = self.rollout.gate_up_proj, self.rollout.down_proj
+        gate, up = project(x, rows, None, gate_up_w, "gate_up_proj").chunk(2, dim=-1)
         # the routing weight scales the down projection's input rows (same result: it is linear)
-        return project(self.activation(gate, up), None, weight, self.down_proj, "down_proj")
+        return project(self.activation(gate, up), None, weight, down_w, "down_proj")
 
     def combine(self, x: torch.Tensor, token: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Sum each token's rows of ``out`` (row ``i`` belongs to token ``token[i]``)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.batch import pack
 from ember.core.layers.lora import LoraLinear
@@ -80,6 +81,9 @@ class SamplerConfig:
     * ``max_prefill_tokens``: prompt tokens admitted per step (a longer single prompt still runs).
     * ``static_decode``: decode with static shapes (:mod:`ember.core.sampling.graphs`); ``None``:
       on CUDA for dense Llama/Qwen3 models in bf16. ``cuda_graphs``: capture those steps.
+    * ``rollout_precision``: ``bf16`` (the model's weights), ``fp8`` or ``mxfp8``: the base projections
+      and routed experts run a quantised copy in the sampler's passes only
+      (:mod:`ember.core.rollout_precision`); the static decoder is then not used.
     """
 
     max_seqs: int = 256
@@ -90,6 +94,7 @@ class SamplerConfig:
     static_decode: bool | None = None
     cuda_graphs: bool = True
     buckets: tuple[int, ...] | None = None
+    rollout_precision: str = "bf16"
 
 
 @dataclass
@@ -137,7 +142,13 @@ class SamplingEngine:
             config.max_seqs, self.cache.usable_pages, config.page_size, config.max_prefill_tokens
         )
         self.eager = EagerDecoder(model, bank, self.cache, self.states, self.max_seq_len)
+        # the sampler's quantised copy of the base weights (bf16: none; removes an earlier one)
+        self.rollout_bytes = rollout_precision.attach(model, config.rollout_precision)
         static = config.static_decode
+        if config.rollout_precision != "bf16":
+            # the static decoder multiplies its own packed copies of the base weights
+            # (graphs.PackedLinears), not the rollout copies: decode eagerly
+            static = False
         if static is None:
             static = (
                 self.device.type == "cuda"
@@ -245,15 +256,16 @@ class SamplingEngine:
         """One engine step (admission + prefill, then one decode step); returns the requests that
         finished in it, by handle."""
         finished: dict[int, GenerationResult] = {}
-        admitted = self.scheduler.admit()
-        if admitted:
-            slots = [r.request.slot for r in admitted]
-            self.eager.refresh(slots)
-            if self.static is not None:
-                self.static.sync(slots)
-            self._prefill(admitted, finished)
-        if self.scheduler.running:
-            self._decode(finished)
+        with rollout_precision.sampling(self.model):
+            admitted = self.scheduler.admit()
+            if admitted:
+                slots = [r.request.slot for r in admitted]
+                self.eager.refresh(slots)
+                if self.static is not None:
+                    self.static.sync(slots)
+                self._prefill(admitted, finished)
+            if self.scheduler.running:
+                self._decode(finished)
         return finished
 
     # -- prefill ---------------------------------------------------------------------------------

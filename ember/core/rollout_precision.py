@@ -1,0 +1,303 @@
+"""Rollout precision: the sampler's low-precision copy of the base weights (issue 18, item 3).
+
+``ember serve --rollout-precision bf16|fp8|mxfp8`` lets the sampler run the frozen base weights in a
+low-precision format while training keeps the model's own weights. :func:`attach` gives every base
+projection (the attention and MLP :class:`~ember.core.layers.lora.LoraLinear` modules: not the LM
+head, embeddings, norms or routers) and every routed-expert block (:class:`~ember.core.layers.moe.Experts`)
+a ``rollout`` attribute holding its quantised copy; :func:`sampling` turns those copies on for the
+passes inside it (the sampling engine enters it for each step: prefill and decode). Outside it every
+module computes exactly as before: training, ``forward_backward`` and the trainer's logprobs read the
+model's weights, which are never modified. LoRA corrections stay in the activation dtype and are added
+as usual.
+
+Formats (:mod:`ember.core.quant`):
+
+* ``fp8``: float8 e4m3 with one fp32 ``scale_inv = amax / 448`` per 128 × 128 tile (DeepSeek-V3).
+  On a CUDA device of compute capability 9.x, a linear stores only the e4m3 data and tile scales
+  (half the bf16 bytes) and multiplies with ``torch.nn.functional.scaled_mm`` (activations quantised
+  per 1 × 128 block, DeepSeek's W8A8 recipe), after a self-check against the dequantised product at
+  :func:`attach`; when the check or a call fails, or a shape does not fit (``K``/``N`` not multiples of
+  128), the data is dequantised for that product instead. On an H200 (torch 2.11) the product is
+  within 2.6 % of the dequantised one but 5-10x slower than bf16 at decode shapes: the activation
+  quantisation below is several unfused kernels (``bench/rollout_fp8_check.py``). Elsewhere (CPU, other GPUs) fp8 is quantise-dequantise (QDQ), as below.
+* ``mxfp8``: OCP MX (e4m3 elements, one E8M0 power-of-two scale per 32 along ``K``), always
+  quantise-dequantise (no MX tensor cores assumed).
+
+QDQ copies hold the dequantised values in the model dtype, so they cost as many bytes as the
+weights they shadow (the sampler's copy doubles the base projections' memory; routed experts are
+always kept as a QDQ copy, also under fp8 on CUDA). Under full fine-tuning the copy follows the
+trainer: a weight whose storage or version counter changed is quantised again when :func:`sampling`
+is entered.
+
+The static CUDA-graph decoder (:mod:`ember.core.sampling.graphs`) packs the base weights into its
+own tensors and is not used for a precision other than bf16 (the eager decoder runs instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.core import quant
+from ember.core.layers.lora import LoraLinear, LoraRoute
+from ember.core.layers.moe import Experts
+
+log = logging.getLogger("ember.rollout_precision")
+
+PRECISIONS = ("bf16", "fp8", "mxfp8")
+FP8_BLOCK = 128
+TARGET_CATEGORIES = ("attn", "mlp")  # LoraLinear categories given a rollout copy (not "unembed")
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"rollout precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+class _Switch:
+    """Whether the rollout copies of one model are in use (shared by all its copies)."""
+
+    def __init__(self):
+        self.depth = 0
+
+
+def qdq(w: torch.Tensor, precision: str) -> torch.Tensor:
+    """``w`` quantised to ``precision`` and dequantised back to ``w``'s dtype (any leading dims;
+    ``[..., N, K]``, blocks along ``K``)."""
+    if precision == "fp8":
+        return quant.dequant_fp8_block(*quant.quantize_fp8_block(w, FP8_BLOCK)).to(w.dtype)
+    if precision == "mxfp8":
+        K = w.shape[-1]
+        pad = -K % quant.MXFP8_BLOCK
+        src = F.pad(w, (0, pad)) if pad else w  # zero columns do not change a block's amax
+        return quant.dequant_mxfp8(*quant.quantize_mxfp8(src))[..., :K].to(w.dtype)
+    raise ValueError(f"no quantised copy for precision {precision!r}")
+
+
+def _key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    return t.data_ptr(), t._version, tuple(t.shape)
+
+
+def _fp8_capable(device: torch.device) -> bool:
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
+
+
+def _quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``x`` ``[M, K]`` with one fp32 scale per 1 × 128 block ``[M, K/128]``."""
+    M, K = x.shape
+    blocks = x.float().reshape(M, K // FP8_BLOCK, FP8_BLOCK)
+    scale = (blocks.abs().amax(-1) / quant.E4M3_MAX).clamp_min(1e-12)
+    q = (blocks / scale[..., None]).clamp(-quant.E4M3_MAX, quant.E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(M, K), scale
+
+
+def _scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ dequant(q, scale_inv).T`` with ``scaled_mm`` (1 × 128 activation blocks, 128 × 128
+    weight tiles); checked once per device by :func:`_self_check`."""
+    xq, xs = _quantize_act(x)
+    ST = F.ScalingType
+    # scale layouts as the blockwise recipes expect them (torch 2.11 on an H200): the activation
+    # scales [M, K/128] outer-dim-major; the weight tiles' as the scales of ``q.t()`` ([K/128, N/128],
+    # strides (1, K/128)): the transposed view of the stored [N/128, K/128]
+    return F.scaled_mm(xq, q.t(), xs.t().contiguous().t(), ST.BlockWise1x128, scale_inv.t(),
+                       ST.BlockWise128x128, output_dtype=out_dtype)
+
+
+class RolloutLinear:
+    """The rollout copy of one :class:`LoraLinear`'s weight (see module doc)."""
+
+    def __init__(self, module: LoraLinear, precision: str, switch: _Switch):
+        self.precision = precision
+        self.switch = switch
+        self.scaled = False  # e4m3 + tile scales multiplied with scaled_mm (fp8 on CUDA sm90)
+        self.key = None
+        self.refresh(module)
+
+    @property
+    def active(self) -> bool:
+        return self.switch.depth > 0
+
+    def refresh(self, module: LoraLinear) -> None:
+        """(Re)quantise when the module's weight changed since the copy was made."""
+        w = module.weight
+        if self.key == _key(w):
+            return
+        self.key = _key(w)
+        self.dtype = w.dtype
+        N, K = w.shape
+        with torch.no_grad():
+            if (self.precision == "fp8" and _fp8_capable(w.device) and N % FP8_BLOCK == 0
+                    and K % FP8_BLOCK == 0 and _SCALED_MM_OK.get(w.device, True)):
+                self.q, self.scale_inv = quant.quantize_fp8_block(w, FP8_BLOCK)
+                self.data = None
+                self.scaled = True
+            else:
+                self.data, self.q, self.scale_inv = qdq(w.detach(), self.precision), None, None
+                self.scaled = False
+
+    def nbytes(self) -> int:
+        if self.scaled:
+            return self.q.numel() * self.q.element_size() + self.scale_inv.numel() * 4
+        return self.data.numel() * self.data.element_size()
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if not self.scaled:
+            return self.data if self.data.dtype == dtype else self.data.to(dtype)
+        return quant.dequant_fp8_block(self.q, self.scale_inv).to(dtype)
+
+    def product(self, module: LoraLinear, x: torch.Tensor, lora: LoraRoute | None, bias: torch.Tensor | None):
+        """``module.product`` with the rollout copy as the base weight."""
+        if self.scaled and x.dim() == 2 and x.shape[0] and (lora is None or isinstance(lora, LoraRoute)):
+            try:
+                y = _scaled_mm_fp8(x, self.q, self.scale_inv, x.dtype)
+            except Exception as e:  # noqa: BLE001 - a GPU-only path: fall back to dequantising
+                _scaled_mm_failed(x.device, e)
+                self.scaled_failed()
+            else:
+                if bias is not None:
+                    y = y + bias
+                return _add_lora(lora, module.lora_name, x, y)
+        w = self.dequantized(x.dtype)
+        if lora is None:
+            return F.linear(x, w, bias)
+        return lora.linear(module.lora_name, x, w, bias)
+
+    def scaled_failed(self) -> None:
+        """Keep a dequantised copy from now on (the scaled_mm path is off on this device)."""
+        if self.scaled:
+            self.data = quant.dequant_fp8_block(self.q, self.scale_inv).to(self.dtype)
+            self.q = self.scale_inv = None
+            self.scaled = False
+
+
+_SCALED_MM_OK: dict[torch.device, bool] = {}
+
+
+def _scaled_mm_failed(device: torch.device, err: Exception | str) -> None:
+    if _SCALED_MM_OK.get(device, True):
+        log.warning("fp8 scaled_mm unavailable; dequantising the rollout weights instead: %s", err)
+    _SCALED_MM_OK[device] = False
+
+
+def _add_lora(lora: LoraRoute | None, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` plus module ``name``'s LoRA correction on each adapter's tokens (no autograd: sampling)."""
+    if lora is None:
+        return y
+    for g in lora.groups:
+        w = g.adapter.weights.get(name) if g.adapter is not None else None
+        if w is None or g.size == 0:
+            continue
+        h = F.linear(x[g.start : g.end], w.A.to(x.dtype))
+        y[g.start : g.end].addmm_(h, w.B.to(x.dtype).t(), alpha=g.adapter.scale)
+    return y
+
+
+def _self_check(module: LoraLinear, copy: RolloutLinear) -> None:
+    """Compare one scaled_mm product with the dequantised one; turn the path off on a mismatch
+    (a wrong scale layout would otherwise give silently wrong rollouts)."""
+    x = torch.randn(16, module.weight.shape[1], device=module.weight.device, dtype=module.weight.dtype)
+    with torch.no_grad():
+        try:
+            got = _scaled_mm_fp8(x, copy.q, copy.scale_inv, torch.float32)
+        except Exception as e:  # noqa: BLE001
+            _scaled_mm_failed(x.device, e)
+            return
+        want = x.float() @ quant.dequant_fp8_block(copy.q, copy.scale_inv).t()
+        rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+        if not rel < 0.1:  # activation quantisation alone: ~2-3 % relative error
+            _scaled_mm_failed(x.device, f"self-check relative error {rel:.3g}")
+
+
+class RolloutExperts:
+    """QDQ copies of one :class:`Experts` block's ``gate_up_proj`` / ``down_proj``."""
+
+    def __init__(self, module: Experts, precision: str, switch: _Switch):
+        self.precision = precision
+        self.switch = switch
+        self.key = None
+        self.refresh(module)
+
+    @property
+    def active(self) -> bool:
+        return self.switch.depth > 0
+
+    def refresh(self, module: Experts) -> None:
+        key = (_key(module.gate_up_proj), _key(module.down_proj))
+        if self.key == key:
+            return
+        self.key = key
+        with torch.no_grad():
+            self.gate_up_proj = qdq(module.gate_up_proj.detach(), self.precision)
+            self.down_proj = qdq(module.down_proj.detach(), self.precision)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up_proj, self.down_proj))
+
+
+def targets(model: nn.Module) -> Iterator[LoraLinear | Experts]:
+    """The modules that get a rollout copy: base attention/MLP projections and routed experts."""
+    for m in model.modules():
+        if isinstance(m, Experts) or (isinstance(m, LoraLinear) and m.category in TARGET_CATEGORIES):
+            yield m
+
+
+def attach(model: nn.Module, precision: str) -> int:
+    """Give the model's base projections and experts their ``precision`` rollout copies (bf16:
+    remove them). Returns the bytes the copies take. Idempotent; a copy whose weight is unchanged
+    is kept."""
+    check_precision(precision)
+    mods = list(targets(model))
+    if precision == "bf16":
+        for m in mods:
+            m.__dict__.pop("rollout", None)
+        model.__dict__.pop("_rollout_switch", None)
+        return 0
+    switch = model.__dict__.get("_rollout_switch")
+    if switch is None:
+        switch = model.__dict__["_rollout_switch"] = _Switch()
+    total, checked = 0, False
+    for m in mods:
+        r = m.__dict__.get("rollout")
+        if r is None or r.precision != precision:
+            r = (RolloutExperts if isinstance(m, Experts) else RolloutLinear)(m, precision, switch)
+            m.rollout = r
+        else:
+            r.refresh(m)
+        if isinstance(r, RolloutLinear) and r.scaled and not checked:
+            _self_check(m, r)
+            checked = True
+        if isinstance(r, RolloutLinear) and r.scaled and not _SCALED_MM_OK.get(m.weight.device, True):
+            r.scaled_failed()
+        total += r.nbytes()
+    log.info("rollout weights attached", extra={"precision": precision, "bytes": total})
+    return total
+
+
+def refresh(model: nn.Module) -> None:
+    """Quantise again the copies whose weights changed (full fine-tuning)."""
+    for m in targets(model):
+        r = m.__dict__.get("rollout")
+        if r is not None:
+            r.refresh(m)
+
+
+@contextlib.contextmanager
+def sampling(model: nn.Module):
+    """Passes inside use the model's rollout copies (no-op without :func:`attach`)."""
+    switch = model.__dict__.get("_rollout_switch")
+    if switch is None:
+        yield
+        return
+    refresh(model)
+    switch.depth += 1
+    try:
+        yield
+    finally:
+        switch.depth -= 1

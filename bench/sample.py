@@ -15,6 +15,11 @@ every sequence generates exactly --new tokens):
 * hf         transformers generate on a PEFT model (same weights) for workload a: static cache when
              it works, else the dynamic cache; skipped, with the reason printed, where the installed
              transformers lacks the family
+* grpo       GRPO-shaped rollouts: --grpo-prompts (64) prompts x --grpo-samples (8) samples, each
+             sample its own request (as an RL client sends a group), --grpo-prompt-len (512) tokens
+             -> --new (256) tokens, one adapter, prefix sharing on: a group's prompt is prefilled
+             once and its pages shared (the prefix cache is emptied before the timed run)
+* grpo-noshare  the same with prefix sharing off (every request prefills its whole prompt)
 * gap        bf16 rollout/trainer mismatch: |sampler logprob - trainer logprob| of the sampled tokens
              of workload a (the trainer's packed forward, same weights)
 
@@ -30,6 +35,8 @@ line for each workload (the other workloads still run).
 
     python bench/sample.py --out /tmp/bench            # on the GPU
     python bench/sample.py --shape tiny --new 16       # CPU smoke test
+    python bench/sample.py --only grpo,grpo-noshare    # prefix sharing on the GPU
+    python bench/sample.py --shape tiny --only grpo,grpo-noshare --grpo-prompts 4 --grpo-samples 2 --grpo-prompt-len 40 --new 8
 """
 
 from __future__ import annotations
@@ -173,6 +180,66 @@ def run_ember(
     return out
 
 
+def run_grpo(model, prompts, samples: int, new: int, rank: int, graphs: bool, static: bool | None,
+             sharing: bool) -> dict:
+    """Workload grpo / grpo-noshare: ``samples`` requests of one sample per prompt, a group's requests
+    one after another in the queue."""
+    bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
+    (slot,) = fill_adapters(bank, 1, rank)
+    plen, page = len(prompts[0]), 16
+    n = len(prompts) * samples
+    config = SamplerConfig(
+        max_seqs=n,
+        page_size=page,
+        kv_tokens=(n + 1) * (plen + new + page),
+        max_prefill_tokens=max(16384, plen),
+        cuda_graphs=graphs,
+        static_decode=static,
+        prefix_sharing=sharing,
+    )
+    engine = SamplingEngine(model, bank, config, max_seq_len=plen + new + page)
+    reqs = [
+        GenerationRequest(p, new, [1000 * i + j], slot=slot, temperature=1.0, stop=StopRule())
+        for i, p in enumerate(prompts)
+        for j in range(samples)
+    ]
+    engine.generate(reqs)  # warm-up: compiles kernels, captures the batch's graphs
+    engine.clear_prefix_cache()  # the timed run starts cold: no prompt of it is cached yet
+    sync()
+    engine.stats = EngineStats()
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    sync()
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    tokens = sum(len(s.tokens) for r in results for s in r.sequences)
+    full = [dt for b, dt in st.step_times if b == n]
+    kv_per_token = engine.cache.nbytes_per_token()
+    floor_bytes = weight_bytes(model, bank, [slot]) + n * (plen + new / 2) * kv_per_token
+    step = statistics.median(full) if full else float("nan")
+    out = {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_s": st.first_token_time - t0,
+        "ttft_cold_s": float("nan"),
+        "prefill_s": st.prefill_seconds,
+        "prefill_tokens": st.prefill_tokens,
+        "prefix_pages_reused": st.prefix_pages_reused,
+        "prefill_tokens_saved": st.prefill_tokens_saved,
+        "decode_steps": st.decode_steps,
+        "decode_step_s": step,
+        "floor_step_s": floor_bytes / COPY_BANDWIDTH,
+        "floor_bytes": floor_bytes,
+        "static_decode": engine.static is not None,
+        "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
+    }
+    out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
+    del engine, bank
+    gc.collect()
+    return out
+
+
 @torch.no_grad()
 def trainer_logprobs(model, bank: AdapterBank, slot: int, tokens: np.ndarray) -> np.ndarray:
     """Logprobs of ``tokens[1:]`` from the trainer's packed forward (as ``Worker.forward_backward``)."""
@@ -273,6 +340,9 @@ def main() -> None:
     ap.add_argument("--mixed-prompts", type=int, default=256)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--grpo-prompts", type=int, default=64, help="grpo: prompts (groups)")
+    ap.add_argument("--grpo-samples", type=int, default=8, help="grpo: samples per prompt, one request each")
+    ap.add_argument("--grpo-prompt-len", type=int, default=512, help="grpo: tokens per prompt")
     ap.add_argument("--no-graphs", action="store_true", help="static decode steps without CUDA-graph capture")
     ap.add_argument(
         "--decode",
@@ -280,7 +350,10 @@ def main() -> None:
         default="auto",
         help="decode path (auto: static shapes + CUDA graphs on the GPU for dense models)",
     )
-    ap.add_argument("--only", default="a,a-32slots,b,b-1,hf,gap", help="comma list of workloads")
+    ap.add_argument(
+        "--only", default="a,a-32slots,b,b-1,hf,gap",
+        help="comma list of workloads (also: a-par, grpo, grpo-noshare)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
@@ -299,6 +372,7 @@ def main() -> None:
         only.remove("a-par")
     model = random_ember_model(hf_cfg, DEVICE, DTYPE, seed=0)
     mixed = make_prompts(vocab, args.mixed_prompts, args.prompt_len, seed=1)
+    grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
     plan = {
@@ -311,6 +385,10 @@ def main() -> None:
             model, mixed, args.new, 1, max(32, args.adapters), args.adapters, args.rank, graphs, static
         ),
         "hf": lambda: run_hf(model, hf_cfg, prompts, args.new, args.rank),
+        "grpo": lambda: run_grpo(model, grpo_prompts, args.grpo_samples, args.new, args.rank, graphs, static, True),
+        "grpo-noshare": lambda: run_grpo(
+            model, grpo_prompts, args.grpo_samples, args.new, args.rank, graphs, static, False
+        ),
     }
     results: dict[str, dict] = {}
     hf_skip = hf_baseline_unavailable(hf_cfg)
@@ -336,6 +414,11 @@ def main() -> None:
                     f"  decode step {1e3 * r['decode_step_s']:.2f} ms vs floor {1e3 * r['floor_step_s']:.2f} ms"
                     f" ({r['step_vs_floor']:.2f}x)  ttft {r['ttft_s']:.2f}s  ttft cold {r['ttft_cold_s']:.2f}s"
                     f"  graphs={r['cuda_graphs']}"
+                )
+            if "prefix_pages_reused" in r:
+                line += (
+                    f"  prefill {r['prefill_s']:.2f}s over {r['prefill_tokens']} tokens"
+                    f" ({r['prefill_tokens_saved']} saved, {r['prefix_pages_reused']} pages reused)"
                 )
             print(line, flush=True)
     if "gap" in only and "_state" in results.get("a", {}):
@@ -363,6 +446,7 @@ def main() -> None:
         "a_vs_hf": ratio("a", "hf"),
         "mixed_vs_one": ratio("b", "b-1"),
         "32slots_vs_1slot": ratio("a-32slots", "a"),
+        "grpo_share_vs_noshare": ratio("grpo", "grpo-noshare"),
     }
     print("\n| workload | tokens/s | decode step (ms) | floor (ms) | step/floor | TTFT (s) | TTFT cold (s) |")
     print("|---|---|---|---|---|---|---|")
@@ -382,7 +466,7 @@ def main() -> None:
             print(f"| {name} ({r['cache']} cache) | {r['tokens_per_s']:.0f} | | | | | |")
     print(
         f"\nEmber a / HF: {summary['a_vs_hf']}   b (8 adapters) / b-1 (one): {summary['mixed_vs_one']}   "
-        f"32 slots / 1 slot: {summary['32slots_vs_1slot']}"
+        f"32 slots / 1 slot: {summary['32slots_vs_1slot']}   grpo shared / unshared: {summary['grpo_share_vs_noshare']}"
     )
     out = {
         "hardware": hardware_line(),

@@ -26,6 +26,7 @@ import functools
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from ember.core.config import AttentionSpec
 from ember.core.kernels import fused
@@ -382,6 +383,13 @@ class PrefillAttention:
     * ``relative(layer, q, k, v, profiles, sinks, spec, scale)`` (Inkling-2's relative bias and sinks):
       :class:`~ember.core.layers.relative_attention.PackedRelativeAttention` with ``relative_backend``;
     * ``store_index_keys`` / ``index_keys``: the QSA indexer's raw keys kept in the cache's pages.
+
+    With ``prefix_lens`` (packed order), a document may continue a prefix already in the cache (its
+    first ``prefix_lens[i]`` tokens, shared prompt pages, listed in ``block_tables[i]`` with the
+    pages its own tokens go to): the pass holds only its remaining tokens, at positions from
+    ``prefix_lens[i]``, and they attend over the prefix's cached keys and their own
+    (:meth:`_continued`). Documents without a prefix still run the trainer's packed call. Only plain
+    attention (sliding windows included) continues a prefix; the variants above refuse it.
     """
 
     accepts_selection = True
@@ -393,11 +401,31 @@ class PrefillAttention:
         doc_lengths: list[int],
         positions: torch.Tensor | None = None,
         relative_backend: str | None = None,
+        prefix_lens: list[int] | None = None,
+        block_tables: list[list[int]] | None = None,
     ):
         self.cache = cache
         self.slot_mapping = slot_mapping
         self.doc_lengths = list(doc_lengths)
-        self.packed = PackedAttention(self.doc_lengths, cache.device)
+        self.prefix_lens = list(prefix_lens) if prefix_lens and any(prefix_lens) else None
+        self.block_tables = block_tables
+        if self.prefix_lens is None:
+            self.packed = PackedAttention(self.doc_lengths, cache.device)
+        else:
+            starts = [0]
+            for n in self.doc_lengths:
+                starts.append(starts[-1] + n)
+            fresh = [i for i, p in enumerate(self.prefix_lens) if p == 0]
+            self.packed = PackedAttention([self.doc_lengths[i] for i in fresh], cache.device) if fresh else None
+            self._fresh_rows = (
+                torch.cat([torch.arange(starts[i], starts[i + 1]) for i in fresh]).to(cache.device) if fresh else None
+            )
+            # continued documents grouped by (prefix, own tokens): one batched attention per group
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, p in enumerate(self.prefix_lens):
+                if p:
+                    groups.setdefault((p, self.doc_lengths[i]), []).append(i)
+            self._groups = [(p, n, [starts[i] for i in docs], [i for i in docs]) for (p, n), docs in groups.items()]
         if positions is None:
             positions = torch.cat([torch.arange(n, device=cache.device) for n in self.doc_lengths])
         self.positions = positions
@@ -409,12 +437,66 @@ class PrefillAttention:
     ) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
         if selection is not None:
+            self._no_prefix("a QSA block selection")
             if _window(spec):
                 raise NotImplementedError("a QSA block selection on a sliding-window layer")
             return selected_attention(q, k, v, self.doc_lengths, selection, scale)
-        return self.packed(q, k, v, spec, scale)
+        if self.prefix_lens is None:
+            return self.packed(q, k, v, spec, scale)
+        return self._continued(layer, q, k, v, spec, scale)
+
+    def _no_prefix(self, what: str) -> None:
+        if self.prefix_lens is not None:
+            raise NotImplementedError(f"{what} cannot continue a cached prompt prefix")
+
+    # elements of one batched score tensor [B, Hq, n, L] (bounds the memory of a continued group)
+    CONTINUED_ELEMENTS = 1 << 26
+
+    def _continued(self, layer: int, q, k, v, spec: AttentionSpec, scale: float) -> torch.Tensor:
+        """Attention of a pass in which some documents continue a cached prefix: those read every
+        key of theirs from the pages (the prefix's and, written just before, their own), masked
+        causally (and by the window) at their true positions; the others run the packed call."""
+        T, Hq, _ = q.shape
+        out = q.new_empty(T, Hq, v.shape[-1])
+        if self.packed is not None:
+            rows = self._fresh_rows
+            out[rows] = self.packed(q[rows], k[rows], v[rows], spec, scale)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        ps = self.cache.page_size
+        window = _window(spec)
+        Hkv = kc.shape[2]
+        rep = Hq // Hkv
+        for prefix, n, starts, docs in self._groups:
+            L = prefix + n
+            width = -(-L // ps)
+            q_pos = torch.arange(prefix, L, device=q.device)
+            k_pos = torch.arange(L, device=q.device)
+            d = q_pos[:, None] - k_pos[None, :]
+            mask = d >= 0
+            if window:
+                mask &= d < window
+            rows = torch.stack([torch.arange(s, s + n) for s in starts]).to(q.device)  # [B, n]
+            tables = torch.tensor([self.block_tables[i][:width] for i in docs], dtype=torch.long, device=q.device)
+            per_doc = max(1, self.CONTINUED_ELEMENTS // max(1, Hq * n * L))
+            for b0 in range(0, len(docs), per_doc):
+                t = tables[b0 : b0 + per_doc]
+                B = t.shape[0]
+                kk = kc[t].reshape(B, width * ps, Hkv, -1)[:, :L].to(q.dtype).transpose(1, 2)
+                vv = vc[t].reshape(B, width * ps, Hkv, -1)[:, :L].to(q.dtype).transpose(1, 2)
+                if rep > 1:
+                    kk = kk.repeat_interleave(rep, dim=1)
+                    vv = vv.repeat_interleave(rep, dim=1)
+                r = rows[b0 : b0 + per_doc]
+                qq = q[r].transpose(1, 2)  # [B, Hq, n, D]
+                step = max(1, self.CONTINUED_ELEMENTS // max(1, B * Hq * L))
+                for c0 in range(0, n, step):
+                    c1 = min(n, c0 + step)
+                    o = F.scaled_dot_product_attention(qq[:, :, c0:c1], kk, vv, attn_mask=mask[c0:c1], scale=scale)
+                    out[r[:, c0:c1].reshape(-1)] = o.transpose(1, 2).reshape(B * (c1 - c0), Hq, -1)
+        return out
 
     def relative(self, layer: int, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:
+        self._no_prefix("relative attention")
         self.cache.write(layer, k, v, self.slot_mapping)
         if self._relative is None:  # one per pass: it keeps the pass's block masks
             self._relative = PackedRelativeAttention(self.doc_lengths, self.positions, backend=self.relative_backend)
@@ -422,6 +504,7 @@ class PrefillAttention:
 
     def store_index_keys(self, layer: int, keys: torch.Tensor) -> None:
         """Keep the pass's raw QSA index keys ``[T, d]`` in the cache (read by later decode steps)."""
+        self._no_prefix("the QSA indexer")
         self.cache.write_rows(layer, INDEX_KEYS, keys, self.slot_mapping)
 
     def index_keys(self, layer: int, keys: torch.Tensor) -> list[torch.Tensor]:

@@ -7,7 +7,9 @@ Each :meth:`SamplingEngine.step`
    logits are computed only where needed: the last prompt position (the first sampled token of
    every sample) and the positions whose top-k prompt logprobs were asked for; plain prompt
    logprobs and target logprobs use the trainer's chunked :func:`~ember.core.logprobs.token_logprobs`.
-   Samples of one prompt then fork its KV pages (full pages shared);
+   Samples of one prompt then fork its KV pages (full pages shared). With prefix sharing, a
+   prompt that begins with whole pages already in the cache for the same adapter weights reuses
+   them and the pass holds only its remaining tokens (:meth:`SamplingEngine._shareable`);
 2. runs one decode step for every running sequence, whatever its adapter (the base model included),
    and samples each next token (:mod:`ember.core.sampling.logits`); finished sequences free their
    rows and pages at once, so waiting requests join in the next step (continuous batching).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
 from ember.core.sampling.attention import PrefillAttention
 from ember.core.sampling.decode import DecodeBatch, EagerDecoder
 from ember.core.sampling.graphs import StaticDecoder, default_buckets, graphs_failed
-from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
+from ember.core.sampling.kv_cache import PagedKVCache, PrefixIndex, RecurrentStateStore
 from ember.core.sampling.logits import (
     capped,
     chunked_rows,
@@ -84,6 +87,13 @@ class SamplerConfig:
     * ``rollout_precision``: ``bf16`` (the model's weights), ``fp8`` or ``mxfp8``: the base projections
       and routed experts run a quantised copy in the sampler's passes only
       (:mod:`ember.core.rollout_precision`); the static decoder is then not used.
+    * ``prefix_sharing``: a prompt beginning with whole KV pages already computed for the same
+      adapter weights (another request's prompt, running or finished) reuses those pages and
+      prefills only the rest. Families in ``PREFIX_FAMILIES`` only (their layers keep no recurrent
+      state and attend plainly); requests that ask for prompt-side outputs (prompt logprobs, top-k
+      or target prompt logprobs, prompt alternatives, routing records) prefill their whole prompt.
+      Pages kept for later prompts are reclaimed, least recently used first, when an allocation
+      finds no free page.
     """
 
     max_seqs: int = 256
@@ -95,6 +105,7 @@ class SamplerConfig:
     cuda_graphs: bool = True
     buckets: tuple[int, ...] | None = None
     rollout_precision: str = "bf16"
+    prefix_sharing: bool = True
 
 
 @dataclass
@@ -104,6 +115,8 @@ class EngineStats:
     prefill_passes: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    prefix_pages_reused: int = 0  # prompt pages taken from the prefix index instead of computed
+    prefill_tokens_saved: int = 0  # the prompt tokens in them
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
@@ -112,6 +125,11 @@ class EngineStats:
 
 
 STATIC_FAMILIES = {"llama", "qwen3"}
+# families whose prompts may continue a cached prefix: only attention layers (plain or sliding)
+# carry context. Hybrid families (qwen3_next, qwen4_exp: linear attention; inkling2: short
+# convolutions and relative attention) keep per-sequence recurrent state that the pages do not
+# hold, so they always prefill whole prompts.
+PREFIX_FAMILIES = {"llama", "qwen3", "qwen3_moe"}
 
 
 class SamplingEngine:
@@ -162,6 +180,10 @@ class SamplingEngine:
             buckets = config.buckets or default_buckets(config.max_seqs)
             self.static = StaticDecoder(model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs)
         self.stats = EngineStats()
+        self.prefix: PrefixIndex | None = None
+        if config.prefix_sharing and model.config.model_type in PREFIX_FAMILIES:
+            self.prefix = PrefixIndex(self.cache)
+        self._adapter_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_handle = 0
         self._next_seq = 0
 
@@ -273,33 +295,65 @@ class SamplingEngine:
     def _prefill(self, reqs: list[RequestState], finished: dict[int, GenerationResult]) -> None:
         t0 = time.perf_counter()
         ps = self.cache.page_size
-        batch = pack([r.request.prompt for r in reqs], [(r.request.slot, False) for r in reqs], self.device)
-        order = sorted(range(len(reqs)), key=lambda i: batch.starts[i])
-        slot_mapping: list[int] = []
+        keys = self._prefix_keys(reqs)
+        # packed (slot) order, as pack() lays the prompts out
+        order = sorted(range(len(reqs)), key=lambda i: (reqs[i].request.slot, i))
+        prefix = [0] * len(reqs)  # tokens of each prompt taken from cached pages
         for i in order:
             r = reqs[i]
             r.sequences = [self._new_sequence(r, j, seed) for j, seed in enumerate(r.request.seeds)]
+            r.prefix_key = keys[i] if keys is not None else None
             owner = r.sequences[0]
-            P = len(r.request.prompt)
-            owner.pages = [self.cache.allocate() for _ in range(math.ceil(P / ps))]
+            prompt = r.request.prompt
+            P = len(prompt)
+            shared: list[int] = []
+            if keys is not None and self._shareable(r.request):
+                # at least the last prompt token is computed: its hidden state gives the first sample
+                shared = [self.cache.share(p) for p in self.prefix.match(keys[i], prompt, (P - 1) // ps)]
+            owner.pages = shared + [self.cache.allocate() for _ in range(math.ceil(P / ps) - len(shared))]
             owner.cached = P
-            slot_mapping += self.cache.slots(owner.pages, 0, P)
+            prefix[i] = len(shared) * ps
+            if keys is not None:
+                # later prompts of this pass may read these pages too: every layer writes the
+                # pass's keys and values before any document attends
+                self.prefix.insert(keys[i], prompt, owner.pages, P // ps)
+        batch = pack([reqs[i].request.prompt[prefix[i]:] for i in range(len(reqs))],
+                     [(r.request.slot, False) for r in reqs], self.device)
+        slot_mapping: list[int] = []
+        for i in order:
+            owner = reqs[i].sequences[0]
+            slot_mapping += self.cache.slots(owner.pages, prefix[i], owner.cached - prefix[i])
+        positions = batch.positions
+        if any(prefix):
+            offsets = torch.tensor([prefix[i] for i in order], dtype=torch.long)
+            counts = torch.tensor([batch.lengths[i] for i in order], dtype=torch.long)
+            positions = positions + torch.repeat_interleave(offsets, counts).to(positions.device)
+            reused = sum(prefix) // ps
+            self.stats.prefix_pages_reused += reused
+            self.stats.prefill_tokens_saved += sum(prefix)
         record = any(r.request.record_routing for r in reqs)
         ctx = ForwardContext(
-            positions=batch.positions,
+            positions=positions,
             attend=PrefillAttention(
                 self.cache,
                 torch.tensor(slot_mapping, device=self.device),
                 batch.doc_lengths,
-                batch.positions,
+                positions,
                 relative_backend=getattr(self.model, "attention_backend", None),
+                prefix_lens=[prefix[i] for i in order],
+                block_tables=[reqs[i].sequences[0].pages for i in order],
             ),
             lora=self.bank.route(batch.groups),
             seq_lens=batch.doc_lengths,
             state=self.states.view([reqs[i].sequences[0].id for i in order]),
             routing=RoutingRecord(record={}) if record else None,
         )
-        hidden = self.model.hidden_states(batch.input_ids, ctx)
+        try:
+            hidden = self.model.hidden_states(batch.input_ids, ctx)
+        except BaseException:
+            if self.prefix is not None:  # pages listed for this pass may never have been written
+                self.prefix.clear()
+            raise
 
         # logits of each prompt's last position, rows in packed (slot) order
         last = [batch.starts[i] + batch.lengths[i] - 1 for i in order]
@@ -310,6 +364,8 @@ class SamplingEngine:
         for i, r in enumerate(reqs):
             P = len(r.request.prompt)
             h = hidden[batch.starts[i] : batch.starts[i] + P]
+            if prefix[i]:  # a shared request asks for no prompt-side output (_shareable)
+                continue
             self._prompt_outputs(r, h)
             if r.request.record_routing:
                 r.prompt_routing = _routing_array(ctx.routing.record, batch.starts[i], P)
@@ -335,6 +391,46 @@ class SamplingEngine:
                     self.scheduler.running.append(s)
                 else:
                     self._finish(s, finished)
+
+    @staticmethod
+    def _shareable(req: GenerationRequest) -> bool:
+        """Whether a request may start from cached prompt pages: not when it asks for outputs at
+        prompt positions (they need the hidden states of the whole prompt)."""
+        return (
+            req.prompt_logprobs_from is None
+            and not req.topk_prompt
+            and req.prompt_targets is None
+            and not req.prompt_alt_k
+            and not req.record_routing
+        )
+
+    def _prefix_keys(self, reqs: list[RequestState]) -> list | None:
+        """Each request's prefix-index key: its slot and the version of the adapter's weights (the
+        base model's are fixed; an adapter is told apart from an earlier one in the same slot, and
+        its flat factor vector's version counter moves at every in-place update: optimizer steps,
+        loads). Keys of a slot that no longer match are dropped. ``None``: sharing is off."""
+        if self.prefix is None:
+            return None
+        keys = [self._prefix_key(r.request.slot) for r in reqs]
+        current = {k[0]: k for k in keys}
+        for key in self.prefix.keys():  # noqa: SIM118 - a list: drop_key changes the index
+            if key[0] in current and key != current[key[0]]:
+                self.prefix.drop_key(key)
+        return keys
+
+    def _prefix_key(self, slot: int) -> tuple:
+        if not slot:
+            return (0,)
+        adapter = self.bank.get(slot)
+        ident = self._adapter_ids.get(adapter)
+        if ident is None:
+            ident = self._adapter_ids[adapter] = _next_adapter_id()
+        return (slot, ident, adapter.flat._version)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prompt page (e.g. after changing the base weights in place)."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def _new_sequence(self, r: RequestState, index: int, seed: int) -> SequenceState:
         self._next_seq += 1
@@ -536,6 +632,16 @@ class SamplingEngine:
                 s.stop_reason = "length"
 
     def _finish(self, s: SequenceState, finished: dict[int, GenerationResult]) -> None:
+        key = s.request.prefix_key
+        ps = self.cache.page_size
+        live = key is not None and (not s.slot or s.slot in self.bank)
+        if live and s.cached >= ps and self._prefix_key(s.slot) == key:
+            # the finished sequence's full pages (prompt and generated tokens fed back) serve a
+            # later prompt that continues it (the next turn of an episode), unless the adapter's
+            # weights moved while it decoded
+            prompt = s.request.request.prompt
+            tokens = [*prompt, *s.tokens[: s.cached - len(prompt)]]
+            self.prefix.insert(key, tokens, s.pages, s.cached // ps)
         self.cache.release(s.pages)
         s.pages = []
         self.states.free(s.id)
@@ -572,6 +678,13 @@ class SamplingEngine:
             prompt_alt_logprobs=alt[1] if alt else None,
             routing_layers=r.outputs.get("routing_layers", ()),
         )
+
+
+_ADAPTER_IDS = iter(range(1, 1 << 62))
+
+
+def _next_adapter_id() -> int:
+    return next(_ADAPTER_IDS)
 
 
 def _runs(keys: list) -> list[tuple[object, int, int]]:

@@ -12,9 +12,18 @@ only a sequence's last, partly filled page is ever written, and a fork copies th
 Besides keys and values, a layer may keep other per-token rows in the same pages (``rows``, under a
 name: the QSA indexer's raw index keys), so they follow the sequence's block table, are shared and
 copied by forks and freed with its pages.
+
+A :class:`PrefixIndex` remembers full prompt pages by their exact token prefix (per adapter and
+weights version), so a later prompt that begins with the same whole pages reuses them instead of
+computing them again. It holds one reference to each page it lists; pages only it references are
+reclaimed (least recently used first) when an allocation finds no free page, so the index never
+takes memory a sequence needs.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -48,6 +57,9 @@ class PagedKVCache:
         # pop() hands out the lowest free page first
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._refs = [0] * num_pages
+        # frees pages held only by a cache of reusable pages (PrefixIndex); returns how many it freed
+        self.reclaim: Callable[[int], int] | None = None
+        self.reclaimable: Callable[[], int] | None = None
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -58,10 +70,13 @@ class PagedKVCache:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can get: free ones and those only a prefix index holds."""
+        return len(self._free) + (self.reclaimable() if self.reclaimable is not None else 0)
 
     def allocate(self) -> int:
         """A fresh page with reference count 1."""
+        if not self._free and self.reclaim is not None:
+            self.reclaim(1)
         if not self._free:
             raise OutOfPages(f"all {self.usable_pages} KV pages are in use")
         page = self._free.pop()
@@ -133,6 +148,119 @@ class PagedKVCache:
         """Bytes one cached token takes over the layers written so far (keys, values and other rows)."""
         kv = sum((self.k[i][0, 0].numel() + self.v[i][0, 0].numel()) * self.k[i].element_size() for i in self.k)
         return kv + sum(r[0, 0].numel() * r.element_size() for r in self.rows.values())
+
+
+class _Node:
+    __slots__ = ("block", "children", "page", "parent")
+
+    def __init__(self, page: int, parent: _Node | None, block: tuple[int, ...] | None):
+        self.page = page
+        self.parent = parent
+        self.block = block
+        self.children: dict[tuple[int, ...], _Node] = {}
+
+
+class PrefixIndex:
+    """Full prompt pages by the exact tokens before and in them, one tree per ``key`` (an adapter
+    slot and the version of its weights: LoRA changes keys and values).
+
+    A node stands for the page-sized token block that follows its parent's prefix and names a page
+    whose keys and values were computed for exactly that prefix, so any prompt beginning with the
+    same blocks (under the same key) can read it. The index holds one reference to each listed page.
+    Dropping a node drops its subtree (their prefixes contain its block); pages still used by
+    sequences stay allocated, the others return to the free list. :meth:`reclaim` drops least
+    recently used nodes whose page only the index holds (deepest first among equals).
+    """
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+        self.roots: dict[Hashable, _Node] = {}
+        self._lru: OrderedDict[int, _Node] = OrderedDict()  # page -> node, least recently used first
+        cache.reclaim = self.reclaim
+        cache.reclaimable = self.reclaimable
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def _blocks(self, tokens: Sequence[int], n: int):
+        ps = self.cache.page_size
+        return (tuple(int(t) for t in tokens[i * ps : (i + 1) * ps]) for i in range(n))
+
+    def match(self, key: Hashable, tokens: Sequence[int], max_pages: int) -> list[int]:
+        """Pages of the longest indexed run of whole-page blocks that ``tokens`` begin with (at most
+        ``max_pages``), marked as recently used; the caller takes its own references."""
+        node = self.roots.get(key)
+        path: list[_Node] = []
+        if node is not None:
+            for block in self._blocks(tokens, max_pages):
+                node = node.children.get(block)
+                if node is None:
+                    break
+                path.append(node)
+        for n in reversed(path):  # parents end up more recent than their children
+            self._lru.move_to_end(n.page)
+        return [n.page for n in path]
+
+    def insert(self, key: Hashable, tokens: Sequence[int], pages: Sequence[int], num_pages: int) -> None:
+        """List the first ``num_pages`` pages of a sequence with ``tokens`` (all full, their keys and
+        values written or being written by the current pass). Blocks already listed keep their page."""
+        node = self.roots.get(key)
+        if node is None:
+            node = self.roots[key] = _Node(SCRATCH_PAGE, None, None)
+        path = []
+        for block, page in zip(self._blocks(tokens, num_pages), pages):
+            child = node.children.get(block)
+            if child is None:
+                child = node.children[block] = _Node(self.cache.share(page), node, block)
+                self._lru[page] = child
+            node = child
+            path.append(node)
+        for n in reversed(path):
+            self._lru.move_to_end(n.page)
+
+    def _drop(self, node: _Node, released: list[int]) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            n.children = {}
+            del self._lru[n.page]
+            released.append(n.page)
+        if node.parent is not None:
+            del node.parent.children[node.block]
+
+    def drop_key(self, key: Hashable) -> None:
+        """Forget every page listed under ``key`` (its adapter changed or went away)."""
+        root = self.roots.pop(key, None)
+        if root is not None:
+            released: list[int] = []
+            for child in list(root.children.values()):
+                self._drop(child, released)
+            self.cache.release(released)
+
+    def keys(self) -> list[Hashable]:
+        return list(self.roots)
+
+    def clear(self) -> None:
+        for key in list(self.roots):
+            self.drop_key(key)
+
+    def reclaimable(self) -> int:
+        """Listed pages nobody but the index holds."""
+        return sum(1 for p in self._lru if self.cache.refcount(p) == 1)
+
+    def reclaim(self, want: int) -> int:
+        """Drop least recently used nodes whose page only the index holds until ``want`` pages
+        were freed (or none is left); returns the pages freed."""
+        before = len(self.cache._free)
+        while len(self.cache._free) - before < want:
+            victim = next((n for p, n in self._lru.items() if self.cache.refcount(p) == 1), None)
+            if victim is None:
+                break
+            released: list[int] = []
+            self._drop(victim, released)
+            self.cache.release(released)
+        return len(self.cache._free) - before
 
 
 class RecurrentStateStore:

@@ -72,6 +72,7 @@ class RequestState:
     outputs: dict = field(default_factory=dict)  # prompt-side results, filled by the prefill
     prompt_routing: np.ndarray | None = None
     unfinished: int = 0
+    prefix_key: object = None  # the prefix index's key of its adapter weights at admission (engine)
 
     @property
     def reserved_pages(self) -> int:

@@ -117,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
         nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
         activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision,
+        ray=args.ray,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -161,7 +162,8 @@ def _status(args: argparse.Namespace) -> int:
               + (f" detail={e.detail}" if e.detail else ""))
         if e.ranks:
             print(f"    {len(e.ranks['ranks'])} processes, ep={e.ranks['ep']} tp={e.ranks['tp']}: "
-                  + ", ".join(f"rank {r['rank']} pid={r['pid']} {r['device']}" for r in e.ranks["ranks"]))
+                  + ", ".join(f"rank {r['rank']} pid={r['pid']} {r['device']}" + (f" node={r['node']}" if r.get("node") else "")
+                             for r in e.ranks["ranks"]))
     print("QUEUE (futures by base model and state)")
     for (base, state), n in sorted(store.queue_counts().items()):
         print(f"  {base}\t{state}\t{n}")
@@ -225,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="also shard each block of experts over the --nproc/--ep processes that hold it (FSDP2): "
                        "each keeps 1/(nproc/ep) of it, and a layer's block is gathered for its forward and backward "
                        "and freed after them, and gathered once per sampling run; needs MoE models and --nproc > --ep")
+    serve.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help="run each engine's --nproc processes as actors of the Ray cluster at ADDRESS (host:port of "
+                       "its head, or auto: the cluster this machine belongs to), one per GPU (one CPU each with "
+                       "--device cpu), in one placement group whose tensor-parallel groups never cross nodes; the API "
+                       "process and the engine driver stay on this machine. Model folders and --storage must be "
+                       "readable at the same paths on every node (docs/cluster.md)")
     serve.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
                        help="recompute each decoder layer's activations in the backward instead of keeping them, "
                        "for training passes (never sampling or forward-only ones): on, off, or auto: on for a "

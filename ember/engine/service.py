@@ -709,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the sampler's copy of the base projections and routed experts: bf16 (the model's own "
                     "weights), fp8 (e4m3, 128x128 block scales) or mxfp8 (OCP MX, 32-element E8M0 blocks); "
                     "training keeps the model's weights (ember.core.rollout_precision)")
+    ap.add_argument("--ray", default=None, metavar="ADDRESS",
+                    help="run the --nproc ranks as actors of the Ray cluster at ADDRESS (or auto) "
+                    "(ember.engine.ray_engine); this process stays the driver")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # set for the ranks rank 0 starts
     ap.add_argument("--dist-init", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -718,13 +721,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag} {n} must divide --nproc {args.nproc}")
     if args.expert_fsdp and args.nproc // args.ep < 2:
         ap.error(f"--expert-fsdp needs --nproc ({args.nproc}) > --ep ({args.ep}): no two ranks hold the same experts")
-    if args.device == "cpu":
+    if args.device == "cpu" and not args.ray:  # on Ray: each actor sets its own
         torch.set_num_threads(max(1, cpu_threads(args.cpu_threads) // args.nproc))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
     kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank,
                   activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision)
-    if args.nproc > 1:
+    if args.nproc > 1 and not args.ray:
         from ember.engine import ranks
 
         if args.rank > 0:  # a follower: no store, no doorbell; rank 0's calls until it stops
@@ -735,7 +738,22 @@ def main(argv: list[str] | None = None) -> int:
     caps = ["train", "sample"] if hasattr(Worker, "sample") else ["train"]
     doorbell = Doorbell()
     store.register_engine(args.base_model, os.getpid(), caps, doorbell.port)
-    if args.nproc > 1:
+    if args.ray:
+        from ember.engine.ray_engine import RayFanOut
+
+        if "://" not in args.storage:  # this process's temp folders (parked samplers, staging) are read by the
+            # actors, on any node: keep them in the storage every node reads
+            scratch = Path(args.storage).expanduser() / ".ember-scratch"
+            scratch.mkdir(parents=True, exist_ok=True)
+            args.stability_dir = args.stability_dir or tempfile.gettempdir()  # this process's only: local disk
+            tempfile.tempdir = str(scratch)
+
+        worker = RayFanOut.start(args.ray, dict(
+            model_path=args.model_path, device=args.device, dtype=dtype_name, nproc=args.nproc, ep=args.ep,
+            tp=args.tp, expert_fsdp=args.expert_fsdp, cpu_threads=args.cpu_threads, log_level=args.log_level,
+            log_format=args.log_format, kwargs=kwargs, name=args.base_model))
+        store.engine_ranks(args.base_model, worker.ranks)
+    elif args.nproc > 1:
         worker = ranks.FanOut(ranks.start_rank(args, dtype, kwargs, argv if argv is not None else sys.argv[1:]))
         store.engine_ranks(args.base_model, worker.ranks)
     else:
@@ -751,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     orphaned = (lambda: os.getppid() != args.parent_pid) if args.parent_pid else (lambda: False)
     service.run(should_stop=lambda: bool(stopping) or orphaned())
-    if args.nproc > 1:
+    if args.nproc > 1 or args.ray:
         worker.stop()
     store.engine_ready(args.base_model, "stopped")
     return 0

@@ -44,6 +44,7 @@ class EngineOptions:
     expert_fsdp: bool = False  # experts sharded over the ranks that hold the same ones (ember.dist.fsdp)
     activation_checkpointing: str = "auto"  # auto | on | off (ember.core.checkpointing)
     rollout_precision: str = "bf16"  # bf16 | fp8 | mxfp8: the sampler's base weights (ember.core.rollout_precision)
+    ray: str | None = None  # a Ray cluster's address (or "auto"): the ranks run as its actors (ember.engine.ray_engine)
 
 
 class EngineSupervisor:
@@ -76,10 +77,12 @@ class EngineSupervisor:
             cmd += ["--dtype", o.dtype]
         if o.cpu_threads:
             cmd += ["--cpu-threads", str(o.cpu_threads)]
-        if o.nproc > 1:
+        if o.nproc > 1 or o.ray:
             cmd += ["--nproc", str(o.nproc), "--ep", str(o.ep), "--tp", str(o.tp)]
             if o.expert_fsdp:
                 cmd.append("--expert-fsdp")
+        if o.ray:
+            cmd += ["--ray", o.ray]
         return cmd
 
     def start(self) -> None:

@@ -12,8 +12,7 @@ import time
 import pytest
 
 from ember.engine.ray_engine import assign_ranks
-
-MOE = "tiny-qwen3-moe"
+from tests.parallel.serving import MOE, moe_server
 
 
 def _shuffled_4x8() -> list[str]:
@@ -113,27 +112,9 @@ def test_fan_out_runs_every_call_on_every_actor_and_reports_rank_0(ray_cluster, 
 
 @pytest.fixture(scope="module")
 def ray_server(ray_cluster, tmp_path_factory):
-    from ember.engine.builtin import build_model
-    from ember.store import Store
-    from tests.conformance.conftest import Server
-    from tests.live_server import free_port, serve, stop, wait_ready
-
-    root = tmp_path_factory.mktemp("ray")
-    models = {MOE: str(build_model(root / "models" / MOE, "qwen3_moe", seed=2))}
-    db_url = f"sqlite:///{root / 'ember.db'}"
-    store = Store.open(db_url)
-    key = store.create_api_key("alice")[1]
-    store.close()
-    port = free_port()
-    log = root / "server.log"
-    proc = serve(["--database-url", db_url, "--storage", str(root / "checkpoints"), "--max-rank", "16",
-                  "--model", f"{MOE}={models[MOE]}", "--nproc", "2", "--ep", "2", "--cpu-threads", "2",
-                  "--ray", ray_cluster.address, "--port", str(port), "--long-poll", "10"], log)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
-        yield Server(f"http://127.0.0.1:{port}", db_url, str(root / "checkpoints"), models, {"alice": key}, log, proc)
-    finally:
-        stop(proc)
+    flags = ["--nproc", "2", "--ep", "2", "--ray", ray_cluster.address]
+    with moe_server(tmp_path_factory.mktemp("ray"), flags) as server:
+        yield server
 
 
 def _engine_ranks(server) -> list[dict]:

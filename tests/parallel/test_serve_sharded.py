@@ -12,32 +12,16 @@ import time
 import pytest
 
 from ember.engine.builtin import build_model
-from ember.store import Store
-from tests.conformance.conftest import Server, run_scenario
-from tests.live_server import free_port, serve, stop, wait_ready
-
-MOE = "tiny-qwen3-moe"
+from tests.conformance.conftest import run_scenario
+from tests.live_server import wait_ready
+from tests.parallel.serving import moe_server
 
 
 @pytest.fixture(scope="module", params=["--ep", "--tp"])
 def sharded_server(request, tmp_path_factory):
     """``--nproc 2`` with ``--ep 2`` (experts split) or ``--tp 2`` (heads and MLP width split)."""
-    root = tmp_path_factory.mktemp("sharded")
-    models = {MOE: str(build_model(root / "models" / MOE, "qwen3_moe", seed=2))}
-    db_url = f"sqlite:///{root / 'ember.db'}"
-    store = Store.open(db_url)
-    key = store.create_api_key("alice")[1]
-    store.close()
-    port = free_port()
-    log = root / "server.log"
-    proc = serve(["--database-url", db_url, "--storage", str(root / "checkpoints"), "--max-rank", "16",
-                  "--model", f"{MOE}={models[MOE]}", "--nproc", "2", request.param, "2", "--cpu-threads", "2",
-                  "--port", str(port), "--long-poll", "10"], log)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, log, engines=True)
-        yield Server(f"http://127.0.0.1:{port}", db_url, str(root / "checkpoints"), models, {"alice": key}, log, proc)
-    finally:
-        stop(proc)
+    with moe_server(tmp_path_factory.mktemp("sharded"), ["--nproc", "2", request.param, "2"]) as server:
+        yield server
 
 
 def test_sdk_against_a_sharded_engine(sharded_server):

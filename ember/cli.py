@@ -164,6 +164,14 @@ def _status(args: argparse.Namespace) -> int:
             print(f"    {len(e.ranks['ranks'])} processes, ep={e.ranks['ep']} tp={e.ranks['tp']}: "
                   + ", ".join(f"rank {r['rank']} pid={r['pid']} {r['device']}" + (f" node={r['node']}" if r.get("node") else "")
                              for r in e.ranks["ranks"]))
+            if e.ranks.get("ray"):  # the engine's Ray actors: how many nodes, actors and GPUs
+                ranks = e.ranks["ranks"]
+                nodes = sorted({r.get("node_id") or r.get("node") for r in ranks})
+                gpus = sum(str(r["device"]).startswith("cuda") for r in ranks)
+                print(f"    ray: {len(nodes)} nodes, {len(ranks)} actors, {gpus} GPUs"
+                      + "".join(f"; node {n[:12]}: ranks "
+                                + ",".join(str(r["rank"]) for r in ranks if (r.get("node_id") or r.get("node")) == n)
+                                for n in nodes))
     print("QUEUE (futures by base model and state)")
     for (base, state), n in sorted(store.queue_counts().items()):
         print(f"  {base}\t{state}\t{n}")

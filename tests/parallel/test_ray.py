@@ -142,6 +142,7 @@ def test_sdk_against_an_engine_on_two_ray_nodes(ray_server):
     out = subprocess.run([sys.executable, "-m", "ember.cli", "status", "--database-url", ray_server.database_url],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert "2 processes" in out and all(f"pid={r['pid']} cpu node=" in out for r in ranks), out
+    assert "ray: 2 nodes, 2 actors, 0 GPUs" in out, out
     run_scenario(ray_server, "s_sharded", timeout_s=400)
 
 

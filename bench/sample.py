@@ -108,6 +108,39 @@ def weight_bytes(model, bank: AdapterBank, slots: list[int]) -> int:
     return total + sum(bank.get(s).num_parameters() * esize for s in set(slots) if s)
 
 
+def _timed(engine, reqs, rows: int, floor_bytes: float, before=None) -> tuple[dict, list]:
+    """A warm-up ``generate`` (kernels compiled, the batch's graphs captured), ``before()`` if
+    given, then the timed one: its throughput, TTFT, prefill and median decode step of ``rows``
+    running sequences against the bandwidth floor of ``floor_bytes`` per step."""
+    engine.generate(reqs)
+    if before is not None:
+        before()
+    sync()
+    engine.stats = EngineStats()
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    sync()
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    tokens = sum(len(s.tokens) for r in results for s in r.sequences)
+    full = [dt for b, dt in st.step_times if b == rows]
+    out = {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_s": st.first_token_time - t0,
+        "prefill_s": st.prefill_seconds,
+        "decode_steps": st.decode_steps,
+        "decode_step_s": statistics.median(full) if full else float("nan"),
+        "floor_step_s": floor_bytes / COPY_BANDWIDTH,
+        "floor_bytes": floor_bytes,
+        "static_decode": engine.static is not None,
+        "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
+    }
+    out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
+    return out, results
+
+
 def run_ember(
     model,
     prompts,
@@ -143,35 +176,9 @@ def run_ember(
         GenerationRequest(p, new, [1000 + i], slot=used[i % len(used)], temperature=1.0, stop=StopRule())
         for i, p in enumerate(prompts)
     ]
-    engine.generate(reqs)  # warm-up: compiles kernels, captures the batch's graphs
-    sync()
-    engine.stats = EngineStats()
-    t0 = time.perf_counter()
-    results = engine.generate(reqs)
-    sync()
-    wall = time.perf_counter() - t0
-    st = engine.stats
-    tokens = sum(len(s.tokens) for r in results for s in r.sequences)
-    full = [dt for b, dt in st.step_times if b == len(prompts)]
-    step = statistics.median(full) if full else float("nan")
-    kv_per_token = engine.cache.nbytes_per_token()
-    mean_ctx = plen + new / 2
-    floor_bytes = weight_bytes(model, bank, used) + len(prompts) * mean_ctx * kv_per_token
-    out = {
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "ttft_cold_s": ttft_cold,
-        "ttft_s": st.first_token_time - t0,
-        "prefill_s": st.prefill_seconds,
-        "decode_steps": st.decode_steps,
-        "decode_step_s": step,
-        "floor_step_s": floor_bytes / COPY_BANDWIDTH,
-        "floor_bytes": floor_bytes,
-        "static_decode": engine.static is not None,
-        "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
-    }
-    out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
+    floor_bytes = weight_bytes(model, bank, used) + len(prompts) * (plen + new / 2) * engine.cache.nbytes_per_token()
+    out, results = _timed(engine, reqs, len(prompts), floor_bytes)
+    out["ttft_cold_s"] = ttft_cold
     if keep:
         out["_state"] = (bank, used, reqs, results)
     else:
@@ -203,38 +210,13 @@ def run_grpo(model, prompts, samples: int, new: int, rank: int, graphs: bool, st
         for i, p in enumerate(prompts)
         for j in range(samples)
     ]
-    engine.generate(reqs)  # warm-up: compiles kernels, captures the batch's graphs
-    engine.clear_prefix_cache()  # the timed run starts cold: no prompt of it is cached yet
-    sync()
-    engine.stats = EngineStats()
-    t0 = time.perf_counter()
-    results = engine.generate(reqs)
-    sync()
-    wall = time.perf_counter() - t0
+    floor_bytes = weight_bytes(model, bank, [slot]) + n * (plen + new / 2) * engine.cache.nbytes_per_token()
+    # the timed run starts cold: no prompt of it is cached yet
+    out, _ = _timed(engine, reqs, n, floor_bytes, before=engine.clear_prefix_cache)
+    out["ttft_cold_s"] = float("nan")
     st = engine.stats
-    tokens = sum(len(s.tokens) for r in results for s in r.sequences)
-    full = [dt for b, dt in st.step_times if b == n]
-    kv_per_token = engine.cache.nbytes_per_token()
-    floor_bytes = weight_bytes(model, bank, [slot]) + n * (plen + new / 2) * kv_per_token
-    step = statistics.median(full) if full else float("nan")
-    out = {
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "ttft_s": st.first_token_time - t0,
-        "ttft_cold_s": float("nan"),
-        "prefill_s": st.prefill_seconds,
-        "prefill_tokens": st.prefill_tokens,
-        "prefix_pages_reused": st.prefix_pages_reused,
-        "prefill_tokens_saved": st.prefill_tokens_saved,
-        "decode_steps": st.decode_steps,
-        "decode_step_s": step,
-        "floor_step_s": floor_bytes / COPY_BANDWIDTH,
-        "floor_bytes": floor_bytes,
-        "static_decode": engine.static is not None,
-        "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
-    }
-    out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
+    out.update(prefill_tokens=st.prefill_tokens, prefix_pages_reused=st.prefix_pages_reused,
+               prefill_tokens_saved=st.prefill_tokens_saved)
     del engine, bank
     gc.collect()
     return out

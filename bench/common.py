@@ -568,6 +568,7 @@ TINY_INKLING2 = {
 # Every shape the benchmarks accept (--shape), by name.
 SHAPES: dict[str, dict] = {
     "qwen3-8b": QWEN3_8B,
+    "qwen3-8b-16l": {**QWEN3_8B, "num_hidden_layers": 16},  # full fine-tuning: both optimizer layouts fit
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "olmo3-7b": OLMO3_7B,
     "glm-4.7-flash": GLM_4_7_FLASH,
@@ -709,6 +710,11 @@ def train_flops(cfg: dict, seq_lens: list[int]) -> float:
         for s in seq_lens
     )
     return 4 * active_params(cfg) * tokens + attn
+
+
+def full_train_flops(cfg: dict, seq_lens: list[int]) -> float:
+    """Full fine-tuning step FLOPs: :func:`train_flops` plus the weight gradients, 2·N·T (6·N·T in all)."""
+    return train_flops(cfg, seq_lens) + 2 * active_params(cfg) * sum(seq_lens)
 
 
 # ---------------------------------------------------------------------------------------------

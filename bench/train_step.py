@@ -15,6 +15,19 @@ tokens in ONE pass:
               attn+mlp adapter (gradient checkpointing: it does not fit in memory without it);
               skipped, with the reason printed, where the installed transformers lacks the family
 
+With --full, full fine-tuning instead (every weight of a run's own copy of the model; the base
+model stays loaded beside it, as in a served engine):
+
+* full-none   Ember's rank-0 run, fp32 master weights and Adam moments on the GPU
+* full-host   the same with --optimizer-offload host (pinned host memory, streamed in chunks)
+* full-disk   the same with --optimizer-offload disk:DIR (DIR: --offload-dir)
+* torch-full  plain PyTorch on the same model code: the weights trained in place (bf16), fused
+              torch.optim.AdamW with its state resident on the GPU, clip_grad_norm_; no second copy
+              of the weights (the fastest thing a plain-PyTorch user runs; bf16 moments)
+
+Each full configuration reports the optimizer step's share of the step (``optim_s``); MFU counts
+6·N·T + attention.
+
 Prints step time, tokens/s, peak and activation memory, MFU (4·N·T + attention FLOPs at 790
 TFLOP/s), and writes a JSON and a profile under --out. --shape takes every shape of
 bench/common.py (the families' full-size or layer-reduced shapes, and tiny-* CPU smoke shapes). Run:
@@ -23,6 +36,7 @@ bench/common.py (the families' full-size or layer-reduced shapes, and tiny-* CPU
     python bench/train_step.py --shape glm-4.7-flash --micro 4 --out /tmp/bench   # see its shape's note
     python bench/train_step.py --shape tiny-olmo3 --seqs 2 --seq-len 16 --warmup 0 --iters 1   # CPU smoke test
     python bench/train_step.py --shape qwen3-30b-a3b --nproc 2 --ep 2 --only ember-par,ember-1 --micro 2 --out /tmp/b
+    python bench/train_step.py --full --shape qwen3-8b --only full-host,torch-full --out /tmp/b
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import argparse
 import gc
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -43,6 +58,7 @@ from bench.common import (
     PEAK_BF16_FLOPS,
     SHAPES,
     MemoryMeter,
+    full_train_flops,
     hardware_line,
     hf_baseline_unavailable,
     hf_model_like,
@@ -179,6 +195,80 @@ def run_parallel(args, hf_cfg, seqs) -> dict:
     return run_ranks(args.nproc, _parallel_rank, args, hf_cfg, seqs)
 
 
+def run_full(model, seqs, offload: str, warmup, iters, micro: int = 1):
+    """Ember full fine-tuning: a rank-0 run beside the base model, ``micro`` forward_backward calls
+    and one optim_step per step (the optimizer step timed on its own as ``optim_s``)."""
+    worker = Worker(model, max_adapters=1, full_finetune=True, optimizer_offload=offload)
+    slot = worker.create_adapter(LoraConfig(rank=0))
+    n = len(seqs) // micro
+    parts = [requests([slot], seqs[i * n : (i + 1) * n]) for i in range(micro)]
+    losses, optim = [], []
+
+    def step():
+        losses.append(sum(o.metrics["loss:sum"] for reqs in parts for o in worker.forward_backward(reqs)))
+        sync()
+        t0 = time.perf_counter()
+        worker.optim_step(slot, HP)
+        sync()
+        optim.append(time.perf_counter() - t0)
+
+    return _timed_full(step, warmup, iters, losses, optim, seqs, lambda: worker.free_adapter(slot),
+                       trainable=sum(p.numel() for p in worker.full.get(slot).tensors().values()),
+                       offload=offload)
+
+
+def run_torch_full(model, seqs, warmup, iters):
+    """Plain PyTorch full fine-tuning on the same model code (see the module doc)."""
+    from ember.core.full_ft import trainable_parameters
+
+    params = [p for _, p in trainable_parameters(model)]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, fused=DEVICE == "cuda")
+    worker = Worker(model, max_adapters=1)
+    losses, optim = [], []
+    batch = [requests([0], seqs)[0]]
+
+    def step():
+        # the base model's slot 0 "forward only" pass would run under no_grad: run the worker's
+        # pass by hand with grad on (the same packed forward and chunked logprobs)
+        seq_in = [d.tokens for d in batch[0].datums]
+        targets = [torch.as_tensor(d.loss_inputs["target_tokens"])[:, None] for d in batch[0].datums]
+        per_seq, _ = worker._pass(seq_in, [(0, True)] * len(seq_in), targets, None, None)
+        loss = -torch.cat(per_seq).sum()
+        loss.backward()
+        losses.append(float(loss))
+        sync()
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        optim.append(time.perf_counter() - t0)
+
+    def release():
+        opt.state.clear()
+        for p in params:
+            p.requires_grad_(False)
+            p.grad = None
+
+    return _timed_full(step, warmup, iters, losses, optim, seqs, release, trainable=sum(p.numel() for p in params))
+
+
+def _timed_full(step, warmup, iters, losses, optim, seqs, release, **extra) -> dict:
+    gc.collect()
+    meter = MemoryMeter()
+    meter.start()
+    try:
+        times = time_steps(step, warmup, iters)
+    finally:
+        mem = meter.stop()
+        release()
+        gc.collect()
+    return {"step_s": median(times), "times": times, **mem, "optim_s": median(optim[warmup:]),
+            "first_loss_per_token": losses[0] / sum(len(s) - 1 for s in seqs), **extra}
+
+
 def run_hf(model, hf_cfg, seqs, rank, warmup, iters, checkpointing=True):
     # the same weights (shared with Ember, same names), so both run the same model; LoRA on the
     # weights an Ember attn+mlp adapter adapts (MoE experts through PEFT's target_parameters)
@@ -238,14 +328,18 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2, help="ember-par: processes (GPUs) of the engine")
     ap.add_argument("--ep", type=int, default=1, help="ember-par: expert-parallel degree (divides --nproc)")
     ap.add_argument("--tp", type=int, default=1, help="ember-par: tensor-parallel degree (divides --nproc)")
+    ap.add_argument("--full", action="store_true", help="full fine-tuning configurations (see the module doc)")
+    ap.add_argument("--offload-dir", default="/tmp/ember-optimizer", help="full-disk: the folder of its files")
     args = ap.parse_args()
+    if args.full and args.only == ap.get_default("only"):
+        args.only = "full-none,full-host,torch-full"
     args.out.mkdir(parents=True, exist_ok=True)
     hf_cfg = SHAPES[args.shape]
     torch.manual_seed(0)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}")
     seqs = make_batch(token_vocab(hf_cfg), args.seqs, args.seq_len)
     tokens = args.seqs * args.seq_len
-    flops = train_flops(hf_cfg, [args.seq_len] * args.seqs)
+    flops = (full_train_flops if args.full else train_flops)(hf_cfg, [args.seq_len] * args.seqs)
     print(f"shape {args.shape}: {tokens} tokens/step, {flops / 1e12:.1f} TFLOP/step model FLOPs")
     results = {}
     names = args.only.split(",")
@@ -263,6 +357,10 @@ def main() -> None:
         "ember-1u": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
                                       targets=("attn", "mlp", "unembed")),
         "hf-peft": lambda: run_hf(model, hf_cfg, seqs, args.rank, args.warmup, args.iters),
+        "full-none": lambda: run_full(model, seqs, "none", args.warmup, args.iters, args.micro),
+        "full-host": lambda: run_full(model, seqs, "host", args.warmup, args.iters, args.micro),
+        "full-disk": lambda: run_full(model, seqs, f"disk:{args.offload_dir}", args.warmup, args.iters, args.micro),
+        "torch-full": lambda: run_torch_full(model, seqs, args.warmup, args.iters),
     }
     hf_skip = hf_baseline_unavailable(hf_cfg)
     for name in names:
@@ -279,13 +377,15 @@ def main() -> None:
     out = {"hardware": hardware_line(), "torch": torch.__version__, "shape": args.shape, "tokens": tokens,
            "model_tflop": flops / 1e12, "results": results}
     (args.out / f"train_step_{args.shape}.json").write_text(json.dumps(out, indent=2))
-    print("\n| config | GPUs | step (s) | tokens/s per GPU | MFU | peak GiB | activations GiB | collectives (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| config | GPUs | step (s) | tokens/s per GPU | MFU | peak GiB | activations GiB | collectives (s) "
+          "| optimizer step (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if "step_s" in r:
-            comm = r.get("comm_s_per_step")
+            comm, opt = r.get("comm_s_per_step"), r.get("optim_s")
             print(f"| {name} | {r.get('gpus', 1)} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
-                  f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} | {'' if comm is None else f'{comm:.3f}'} |")
+                  f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} | {'' if comm is None else f'{comm:.3f}'} "
+                  f"| {'' if opt is None else f'{opt:.3f}'} |")
         elif "skipped" in r:
             print(f"| {name} | skipped: {r['skipped'][:80]} |")
         else:

@@ -83,6 +83,22 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int, expert_fsdp: bool 
                     raise ValueError(f"--tp {tp} must divide the {n} {what} of {name!r}")
 
 
+def _check_full_finetune(args: argparse.Namespace) -> None:
+    offload = args.optimizer_offload
+    if not (offload in ("none", "host") or offload.startswith("disk:") and len(offload) > 5):
+        raise ValueError(f"--optimizer-offload must be none, host or disk:DIR, got {offload!r}")
+    if args.full_finetune and (args.nproc > 1 or args.ray):
+        raise ValueError("--full-finetune runs each engine on one process: not with --nproc > 1 or --ray")
+    if offload.startswith("disk:"):
+        folder = Path(offload[5:]).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--optimizer-offload folder {folder}: {e}") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--optimizer-offload folder {folder} is not writable")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ember.jsonlog import resolve_format
     from ember.server.config import ServerConfig
@@ -99,11 +115,13 @@ def _serve(args: argparse.Namespace) -> int:
         models = parse_model_flags(args.model or [], home)
         if not args.api_only:
             _check_layout(models, args.nproc, args.ep, args.tp, args.expert_fsdp)
+            _check_full_finetune(args)
     except (ValueError, json.JSONDecodeError) as e:
         print(f"ember serve: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(
         models=models, database_url=database_url, storage=storage, auth=not args.no_auth, max_rank=args.max_rank,
+        full_finetune=args.full_finetune,
         long_poll_s=args.long_poll, session_timeout_s=args.session_timeout, max_body_bytes=args.max_body_mb << 20,
         public_url=args.public_url, client_config=client_config,
         quotas=Quotas(training_runs=args.quota_training_runs, samplers=args.quota_samplers,
@@ -117,7 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
         nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
         activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision,
-        ray=args.ray,
+        ray=args.ray, full_finetune=args.full_finetune, optimizer_offload=args.optimizer_offload,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -253,6 +271,15 @@ def main(argv: list[str] | None = None) -> int:
                        "today: its activation quantisation is unfused; else quantise-dequantise) or "
                        "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
                        "the model dtype and training keeps the model's weights (default bf16)")
+    serve.add_argument("--full-finetune", action="store_true",
+                       help="let clients fully fine-tune the served models: create_lora_training_client(base_model, "
+                       "rank=0) trains every weight of its own copy of the model (Ember's extension of the Tinker "
+                       "API; how many runs fit is decided by memory); one process per engine (not with --nproc > 1 "
+                       "or --ray)")
+    serve.add_argument("--optimizer-offload", default="none", metavar="none|host|disk:DIR",
+                       help="where full fine-tuning keeps its fp32 master weights and Adam moments: none (on the "
+                       "device), host (pinned host memory), or disk:DIR (host memory, and files under DIR for what "
+                       "it cannot hold); streamed through the device in chunks at each optimizer step (default none)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,

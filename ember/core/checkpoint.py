@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from ember.core.adapters import Adapter, AdapterBank, LoraConfig
 
 FORMAT = "ember-lora"
+FULL_FORMAT = "ember-full"  # full fine-tuning weights (ember.core.full_checkpoint)
 VERSION = 1
 
 
@@ -75,15 +76,24 @@ def save_adapter(
     return Path(path)
 
 
-def read_metadata(path: str | Path) -> dict:
-    """The ``metadata.json`` of a checkpoint folder (``ValueError`` if it is not one)."""
+def checkpoint_format(path: str | Path) -> str:
+    """``FORMAT`` (a LoRA adapter) or ``FULL_FORMAT`` (full fine-tuning weights) of a checkpoint
+    folder (``ValueError`` if it is neither)."""
     f = Path(path) / "metadata.json"
     if not f.is_file():
-        raise ValueError(f"{path} is not an Ember adapter checkpoint (no metadata.json)")
-    meta = json.loads(f.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
-    return meta
+        raise ValueError(f"{path} is not an Ember checkpoint (no metadata.json)")
+    kind = json.loads(f.read_text()).get("format")
+    if kind not in (FORMAT, FULL_FORMAT):
+        raise ValueError(f"{path}: unknown checkpoint format {kind!r}")
+    return kind
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The ``metadata.json`` of an adapter checkpoint folder (``ValueError`` if it is not one)."""
+    if checkpoint_format(path) == FULL_FORMAT:
+        raise ValueError(f"{path} is a full fine-tuning checkpoint, not a LoRA adapter; load it into a run "
+                         "created with rank 0")
+    return json.loads((Path(path) / "metadata.json").read_text())
 
 
 def assign_weights(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:

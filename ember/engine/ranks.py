@@ -114,8 +114,10 @@ def _watch_parent(pid: int | None) -> None:
 # Worker methods that touch the model or the bank: every rank runs them, in the same order.
 COLLECTIVE = frozenset({
     "create_adapter", "reset_adapter", "free_adapter", "snapshot_adapter", "forward_backward", "optim_step",
-    "sample", "release_sampler", "save_adapter", "load_adapter", "export_peft", "import_peft",
+    "sample", "release_sampler", "save_adapter", "load_adapter", "load_sampler", "export_peft", "import_peft",
 })
+# Worker methods that only read rank 0's state (the service calls them through the fan-out)
+ON_RANK0 = frozenset({"validate", "checkpoint_kind_matches"})
 _DETOKENIZE = "<detokenize>"
 
 

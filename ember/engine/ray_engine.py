@@ -36,7 +36,7 @@ import torch
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ember.engine.ranks import _DETOKENIZE, ALIKE, COLLECTIVE, _resync, _seeded
+from ember.engine.ranks import _DETOKENIZE, ALIKE, COLLECTIVE, ON_RANK0, _resync, _seeded
 
 log = logging.getLogger("ember.engine")
 PLACEMENT_TIMEOUT_S = 600.0  # how long the engine waits for the cluster to hold its placement group
@@ -237,6 +237,8 @@ class RayFanOut:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in ON_RANK0:
+            return _OnRank0(self._actors[0], (name,))
         if name not in COLLECTIVE:
             return _OnRank0(self._actors[0], (name,)).value()
 

@@ -32,6 +32,7 @@ from ember.core.adapters import AdapterBankFull, LoraConfig
 from ember.core.optim import AdamParams
 from ember.doorbell import RESULT_KEY_SETTING, Doorbell, ring_results
 from ember.engine import scheduler
+from ember.engine.full_runs import NoRoom
 from ember.engine.stability import StabilityRecord, StabilityStore, resolve_datum
 from ember.engine.worker import Worker
 from ember.jsonlog import setup_logging
@@ -344,9 +345,10 @@ class EngineService:
         if uri is None:
             slot = 0
         else:
+            persistent = self.storage.local_path(uri) is not None
             with self._local_copy(uri) as path:
                 try:
-                    slot = self._allocate(lambda: self.worker.load_adapter(path, with_optimizer=False), keep)
+                    slot = self._allocate(lambda: self.worker.load_sampler(path, persistent), keep)
                 except (ValueError, FileNotFoundError) as e:
                     raise UserError(f"cannot load the sampler's weights {p.get('model_path')}: {e}") from None
         self.sampler_slots[sampler_id] = slot
@@ -364,6 +366,8 @@ class EngineService:
         while True:
             try:
                 return fill()
+            except NoRoom:  # memory for full weights: parking adapters would not make any
+                raise
             except AdapterBankFull:
                 idle = [sid for sid, slot in self.sampler_slots.items() if slot and sid not in keep]
                 if not idle:
@@ -498,7 +502,7 @@ class EngineService:
     def _op_create_model(self, f: PendingFuture, p: dict):
         config = LoraConfig.from_dict(p["lora"])
         try:
-            self.worker.bank.validate(config)
+            self.worker.validate(config)
         except ValueError as e:
             raise UserError(str(e)) from None
         if f.model_id in self.slots:  # an engine restart never reuses ids; be safe anyway
@@ -517,7 +521,17 @@ class EngineService:
 
     def _op_load_weights(self, f: PendingFuture, p: dict):
         """Legacy in-place load (``TrainingClient.load_state``): the model's adapter is replaced."""
-        self.worker.free_adapter(self._slot(f.model_id))
+        slot = self._slot(f.model_id)
+        with self._local_copy(p["uri"]) as path:
+            try:
+                same = self.worker.checkpoint_kind_matches(slot, path)
+            except (ValueError, FileNotFoundError) as e:
+                raise UserError(f"cannot load {p.get('source_path')}: {e}") from None
+        if not same:
+            kinds = ("a full fine-tuning checkpoint", "a LoRA run") if slot > 0 else ("a LoRA checkpoint",
+                                                                                      "a full fine-tuning run")
+            raise UserError(f"cannot load {p.get('source_path')}: it is {kinds[0]} and {f.model_id} is {kinds[1]}")
+        self.worker.free_adapter(slot)
         del self.slots[f.model_id]  # type: ignore[arg-type]
         return self._op_load_model(f, p)
 
@@ -709,6 +723,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the sampler's copy of the base projections and routed experts: bf16 (the model's own "
                     "weights), fp8 (e4m3, 128x128 block scales) or mxfp8 (OCP MX, 32-element E8M0 blocks); "
                     "training keeps the model's weights (ember.core.rollout_precision)")
+    ap.add_argument("--full-finetune", action="store_true",
+                    help="let clients fully fine-tune this model (create a training client with rank 0); one process only")
+    ap.add_argument("--optimizer-offload", default="none", metavar="none|host|disk:DIR",
+                    help="where full fine-tuning keeps its fp32 master weights and Adam moments: on the device, in "
+                    "pinned host memory, or in host memory with what it cannot hold in files under DIR")
     ap.add_argument("--ray", default=None, metavar="ADDRESS",
                     help="run the --nproc ranks as actors of the Ray cluster at ADDRESS (or auto) "
                     "(ember.engine.ray_engine); this process stays the driver")
@@ -719,13 +738,18 @@ def main(argv: list[str] | None = None) -> int:
     for flag, n in (("--ep", args.ep), ("--tp", args.tp)):
         if args.nproc < 1 or n < 1 or args.nproc % n:
             ap.error(f"{flag} {n} must divide --nproc {args.nproc}")
+    if args.full_finetune and (args.nproc > 1 or args.ray):
+        ap.error("--full-finetune runs on one process: not with --nproc > 1 or --ray")
+    if not (args.optimizer_offload in ("none", "host") or args.optimizer_offload.startswith("disk:")):
+        ap.error(f"--optimizer-offload must be none, host or disk:DIR, got {args.optimizer_offload!r}")
     if args.expert_fsdp and args.nproc // args.ep < 2:
         ap.error(f"--expert-fsdp needs --nproc ({args.nproc}) > --ep ({args.ep}): no two ranks hold the same experts")
     if args.device == "cpu" and not args.ray:  # on Ray: each actor sets its own
         torch.set_num_threads(max(1, cpu_threads(args.cpu_threads) // args.nproc))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
-    kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank,
+    kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank, full_finetune=args.full_finetune,
+                  optimizer_offload=args.optimizer_offload,
                   activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision)
     if args.nproc > 1 and not args.ray:
         from ember.engine import ranks

@@ -65,10 +65,10 @@ class ShardedWorker(Worker):
 
     # -- training -------------------------------------------------------------------------------
 
-    def _route(self, batch):
-        return self.bank.route(batch.groups, step_keys=self._step_keys)
+    def _route(self, batch, bank):
+        return bank.route(batch.groups, step_keys=self._step_keys)
 
-    def _pass(self, sequences, keys, targets, inv_t, routes):
+    def _pass(self, sequences, keys, targets, inv_t, routes, weights=None):
         layout, group = self.parallel.layout, self.parallel.dp_group
         owner = assign([len(s) for s in sequences], layout.dp)  # the ranks of a TP group run the same share
         mine = [i for i, r in enumerate(owner) if r == layout.dp_rank]
@@ -82,6 +82,7 @@ class ShardedWorker(Worker):
                 [targets[i] for i in pick],
                 [inv_t[i] for i in pick] if inv_t is not None else None,
                 tuple([part[i] for i in pick] for part in routes) if routes is not None else None,
+                weights,
             )
         finally:
             self._step_keys = None

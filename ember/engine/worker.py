@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from ember.core.adapters import Adapter, AdapterBank, LoraConfig
 from ember.core.batch import PackedBatch, pack
-from ember.core.checkpoint import load_adapter, save_adapter
+from ember.core.checkpoint import FULL_FORMAT, checkpoint_format, load_adapter, save_adapter
 from ember.core.checkpointing import MODES, activation_bytes, apply_checkpointing, available_bytes
+from ember.core.full_checkpoint import export_hf
 from ember.core.layers.attention import PackedAttention
 from ember.core.layers.moe import RoutingRecord
 from ember.core.loading import load_model
@@ -47,6 +48,7 @@ from ember.core.sampling import InvalidGeneration, SamplerConfig, SamplingEngine
 from ember.core.sampling.requests import Detokenize
 from ember.core.stable_reinforce import stable_reinforce
 from ember.engine.custom_loss import LossProgram
+from ember.engine.full_runs import FullRuns, NoRoom, Weights
 from ember.engine.sampler import generation_request, sample_output
 from ember.lossdefs import LOSS_SPECS, LossSpec, resolve_loss_config
 from ember.lossgraph import ProgramError
@@ -99,6 +101,8 @@ class Worker:
         sampler_config: SamplerConfig | None = None,
         activation_checkpointing: str = "auto",
         rollout_precision: str | None = None,
+        full_finetune: bool = False,
+        optimizer_offload: str = "none",
     ):
         if activation_checkpointing not in MODES:
             raise ValueError(f"activation_checkpointing must be one of {MODES}, got {activation_checkpointing!r}")
@@ -117,24 +121,49 @@ class Worker:
         self.checkpointing = apply_checkpointing(model) if activation_checkpointing != "off" else None
         self._auto_on = False  # the last auto decision (logged when it turns on)
         self._kept_per_token = 0.0  # most activation bytes per token a training forward kept (CUDA)
+        # full fine-tuning runs (rank 0) and their samplers, under negative slots (ember.engine.full_runs)
+        self.full_finetune = full_finetune  # whether clients may start full runs (samplers of full weights: always)
+        self.full = FullRuns(model, optimizer_offload, activation_checkpointing != "off")
+        self.model_dir: Path | None = None  # the base model's folder (from_pretrained): full-model exports read it
+        self._full_sampler: tuple[tuple, SamplingEngine] | None = None  # the sampling engine of full weights
 
     @classmethod
     def from_pretrained(
         cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **kwargs
     ) -> Worker:
         """Load a local Hugging Face model folder and wrap it in a worker."""
-        return cls(load_model(model_dir, device, dtype), **kwargs)
+        worker = cls(load_model(model_dir, device, dtype), **kwargs)
+        worker.model_dir = Path(model_dir)
+        return worker
 
     # -- adapters -------------------------------------------------------------------------------
 
+    def validate(self, config: LoraConfig) -> None:
+        """``ValueError`` if a model of ``config`` cannot be made here (rank 0: full fine-tuning)."""
+        if config.rank == 0:
+            if not self.full_finetune:
+                raise ValueError("full fine-tuning (rank 0) is not enabled for this model; the server must serve "
+                                 "it with --full-finetune")
+            return
+        self.bank.validate(config)
+
     def create_adapter(self, config: LoraConfig) -> int:
-        """Fill a free slot with a new adapter; returns the slot."""
+        """Fill a free slot with a new adapter, or (rank 0) start a full fine-tuning run; returns
+        the slot (negative for a full run)."""
+        if config.rank == 0:
+            self.validate(config)
+            return self.full.create()
         return self.bank.create(config).slot
 
     def reset_adapter(self, slot: int) -> None:
         self.bank.reset(slot)
 
     def free_adapter(self, slot: int) -> None:
+        if slot < 0:
+            self.full.free(slot)
+            if self._full_sampler is not None and slot in self._full_sampler[0]:
+                self._full_sampler = None
+            return
         self.bank.free(slot)
 
     def adapter(self, slot: int) -> Adapter:
@@ -142,8 +171,22 @@ class Worker:
 
     def snapshot_adapter(self, slot: int) -> int:
         """Copy ``slot``'s current weights into a new slot for a sampler (no optimizer state); the
-        copy keeps sampling these weights while ``slot`` trains on. Returns the new slot."""
+        copy keeps sampling these weights while ``slot`` trains on. Returns the new slot. A full
+        fine-tuning run's snapshot reads the run's weights until they change (full_runs)."""
+        if slot < 0:
+            return self.full.snapshot(slot)
         return self.bank.snapshot(slot).slot
+
+    def is_full(self, slot: int) -> bool:
+        """Whether ``slot`` is a full fine-tuning run (or a sampler of full weights)."""
+        return slot < 0
+
+    def _weights(self, slot: int) -> Weights:
+        """What a training pass of ``slot`` runs on: the base model and the adapter bank, or a
+        full fine-tuning run's own model."""
+        if slot < 0:
+            return self.full.weights(slot)
+        return Weights(self.model, self.bank, self.checkpointing)
 
     # -- sampling -------------------------------------------------------------------------------
 
@@ -165,9 +208,39 @@ class Worker:
     ) -> list[SampleOutput | RequestError]:
         """Generate for every valid request, all in shared decode steps (continuous batching over
         adapters and the base model); invalid ones fail alone with a message. ``detokenize(ids) ->
-        str`` (the tokenizer's decode) is needed only for stop strings."""
+        str`` (the tokenizer's decode) is needed only for stop strings. Requests of full
+        fine-tuned weights (negative slots) run after those, one set of weights at a time."""
         results: list[SampleOutput | RequestError | None] = [None] * len(requests)
-        engine = self.sampler
+        groups: dict[int, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(min(req.slot, 0), []).append(i)
+        for slot, idx in sorted(groups.items(), reverse=True):
+            if slot == 0:
+                outs = self._sample_on(None, [requests[i] for i in idx], detokenize)
+            else:
+                try:
+                    weights, key = self.full.sampler_weights(slot)
+                except (KeyError, ValueError, NoRoom) as e:
+                    outs = [RequestError(str(e))] * len(idx)
+                else:
+                    if self._full_sampler is None or self._full_sampler[0] != key:
+                        self._full_sampler = None  # its KV cache is freed before the next one takes memory
+                        engine = SamplingEngine(weights.model, weights.bank, self.sampler_config, self.max_seq_len,
+                                                self.logprob_chunk)
+                        self._full_sampler = (key, engine)
+                    outs = self._sample_on(self._full_sampler[1], [replace(requests[i], slot=0) for i in idx],
+                                           detokenize)
+            for i, out in zip(idx, outs):
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    def _sample_on(
+        self, engine: SamplingEngine | None, requests: Sequence[SampleInput], detokenize: Detokenize | None
+    ) -> list[SampleOutput | RequestError]:
+        """:meth:`sample` on one sampling engine (``None``: the base model's)."""
+        results: list[SampleOutput | RequestError | None] = [None] * len(requests)
+        full = engine is not None
+        engine = engine or self.sampler
         valid, gens = [], []
         eos = tuple(self.config.eos_token_ids)
         moe = bool(self.model.moe_routers())
@@ -186,7 +259,11 @@ class Worker:
             try:
                 outs = engine.generate(gens)
             except BaseException:
-                self._sampler = None  # a failed run leaves requests half-done: start the next one fresh
+                # a failed run leaves requests half-done: start the next one fresh
+                if full:
+                    self._full_sampler = None
+                else:
+                    self._sampler = None
                 raise
             for i, out in zip(valid, outs):
                 results[i] = sample_output(out)
@@ -207,8 +284,10 @@ class Worker:
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
             spec = LOSS_SPECS[req.loss_fn]
-        if req.slot and req.slot not in self.bank:
+        if req.slot > 0 and req.slot not in self.bank:
             raise InvalidRequest(f"adapter slot {req.slot} is empty")
+        if req.slot < 0 and req.slot not in self.full.runs:
+            raise InvalidRequest(f"full fine-tuning run {req.slot} is not loaded")
         if not req.slot and not req.forward_only:
             raise InvalidRequest("the base model (slot 0) cannot be trained; use forward_only")
         if not req.datums:
@@ -316,17 +395,20 @@ class Worker:
                 prepared.append(self._prepare(i, req))
             except InvalidRequest as e:
                 results[i] = RequestError(str(e))
-        if prepared:
-            for p, out in zip(prepared, self._run(prepared)):
+        groups: dict[int, list[_Prepared]] = {}  # the base model's requests in one pass, each full run's in its own
+        for p in prepared:
+            groups.setdefault(min(0, p.req.slot), []).append(p)
+        for slot, group in sorted(groups.items(), reverse=True):
+            for p, out in zip(group, self._run(group, self._weights(slot))):
                 results[p.index] = out
         return results  # type: ignore[return-value]
 
-    def _run(self, prepared: list[_Prepared]) -> list[ForwardBackwardOutput | RequestError]:
+    def _run(self, prepared: list[_Prepared], weights: Weights) -> list[ForwardBackwardOutput | RequestError]:
         sequences, keys, owners = [], [], []
         for p in prepared:
             for j, tokens in enumerate(p.tokens):
                 sequences.append(tokens)
-                keys.append((p.req.slot, not p.req.forward_only))
+                keys.append((max(p.req.slot, 0), not p.req.forward_only))
                 owners.append((p, j))
         k_max = max(t.shape[1] if t.dim() == 2 else 1 for p in prepared for t in p.targets)
         targets = [_as_2d(p.targets[j], k_max) for p, j in owners]
@@ -337,7 +419,7 @@ class Worker:
         train = any(not p.req.forward_only for p in prepared)
         outputs, total = [], None
         with nullcontext() if train else torch.no_grad():
-            per_seq, flips = self._pass(sequences, keys, targets, inv_t, routes)
+            per_seq, flips = self._pass(sequences, keys, targets, inv_t, routes, weights)
             cursor = 0
             for p in prepared:
                 lps = [_match(per_seq[cursor + j], t) for j, t in enumerate(p.targets)]
@@ -367,11 +449,13 @@ class Worker:
         targets: list[torch.Tensor],
         inv_t: list[torch.Tensor] | None,
         routes: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+        weights: Weights | None = None,
     ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]] | None]:
-        """One packed pass over ``sequences`` (grouped by ``keys``): each sequence's target
-        logprobs (``targets[i]`` ``[n, K]``, rows scaled by ``inv_t[i]``) and, when ``routes``
-        (per sequence: reference and replayed experts ``[n, L, k]``) are given, its route-flip
-        counts (flipped, compared layers per token)."""
+        """One packed pass over ``sequences`` (grouped by ``keys``) on ``weights`` (default: the
+        base model and its adapters): each sequence's target logprobs (``targets[i]`` ``[n, K]``,
+        rows scaled by ``inv_t[i]``) and, when ``routes`` (per sequence: reference and replayed
+        experts ``[n, L, k]``) are given, its route-flip counts (flipped, compared layers per token)."""
+        weights = weights or self._weights(0)
         batch = pack(sequences, keys, self.device)
         inv = batch.gather(inv_t) if inv_t is not None else None
         routing = None
@@ -383,22 +467,24 @@ class Worker:
                 reference={layer: reference[:, i] for i, layer in enumerate(layers)},
                 flips={},
             )
-        lp = self._checkpointed_logprobs(batch, keys, batch.gather(targets).to(self.device), inv, routing)
+        lp = self._checkpointed_logprobs(batch, keys, batch.gather(targets).to(self.device), inv, routing, weights)
         return batch.split(lp), _flip_counts(batch, routing)
 
-    def _checkpointed_logprobs(self, batch: PackedBatch, keys: list, targets, inv, routing) -> torch.Tensor:
+    def _checkpointed_logprobs(self, batch: PackedBatch, keys: list, targets, inv, routing,
+                               weights: Weights | None = None) -> torch.Tensor:
         """:meth:`logprobs` of a pass with its layers checkpointed or not (:meth:`_checkpoint_pass`).
         On CUDA a training pass run without checkpointing measures what its forward kept per token
         (what later ``auto`` decisions use when it exceeds the shape's estimate). Under ``auto``, a
         forward that runs out of memory in one process is run again with checkpointing (nothing has
         reached the gradients yet); a sharded engine's ranks cannot retry alone, so there it fails."""
+        weights = weights or self._weights(0)
         tokens = batch.num_tokens
-        on = self._checkpoint_pass(tokens, keys)
+        on = self._checkpoint_pass(tokens, keys, weights)
         measure = self.device.type == "cuda" and not on and torch.is_grad_enabled()
         before = torch.cuda.memory_allocated(self.device) if measure else 0
         try:
-            with self._checkpointing(on):
-                lp = self.logprobs(batch, targets, inv, routing)
+            with _checkpointing(weights, on):
+                lp = self.logprobs(batch, targets, inv, routing, weights)
         except torch.cuda.OutOfMemoryError:
             if on or self.activation_checkpointing != "auto" or getattr(self, "parallel", None) is not None:
                 raise
@@ -408,19 +494,17 @@ class Worker:
             log.warning("activation checkpointing on: the pass ran out of memory without it; running it again",
                         extra={"tokens": tokens})
             self._auto_on = True
-            with self._checkpointing(True):
-                return self.logprobs(batch, targets, inv, routing)
+            with _checkpointing(weights, True):
+                return self.logprobs(batch, targets, inv, routing, weights)
         if measure:
             kept = torch.cuda.memory_allocated(self.device) - before
             self._kept_per_token = max(self._kept_per_token, kept / tokens)
         return lp
 
-    def _checkpointing(self, on: bool):
-        return self.checkpointing.on(on) if self.checkpointing is not None else nullcontext()
-
-    def _checkpoint_pass(self, tokens: int, keys: list) -> bool:
-        """Whether this pass (``tokens`` tokens of ``keys``' (slot, trains) sequences) checkpoints
-        its layers (the module doc's rule)."""
+    def _checkpoint_pass(self, tokens: int, keys: list, weights: Weights | None = None) -> bool:
+        """Whether this pass (``tokens`` tokens of ``keys``' (slot, trains) sequences, on
+        ``weights``, default the base model's) checkpoints its layers (the module doc's rule)."""
+        weights = weights or self._weights(0)
         mode = self.activation_checkpointing
         if mode == "off" or not torch.is_grad_enabled():
             return False
@@ -431,10 +515,12 @@ class Worker:
         parallel = getattr(self, "parallel", None)
         tp = parallel.layout.tp if parallel is not None else 1
         need = max(activation_bytes(self.model, tokens, tp=tp), int(tokens * self._kept_per_token))
-        for slot in {s for s, trains in keys if s and trains}:  # gradients the backward allocates
-            flat = self.bank.get(slot).flat
-            if flat.grad is None:
-                need += flat.numel() * flat.element_size()
+        trained = [self.bank.get(s).flat for s in {s for s, trains in keys if s and trains}]
+        if weights.model is not self.model and any(trains for _, trains in keys):  # a full fine-tuning run
+            trained = [p for p in weights.model.parameters() if p.requires_grad]
+        for p in trained:  # gradients the backward allocates
+            if p.grad is None:
+                need += p.numel() * p.element_size()
         available = available_bytes(self.device)
         on = need > AUTO_FRACTION * available
         if parallel is not None and parallel.world > 1:  # every rank must checkpoint the same layers
@@ -465,9 +551,9 @@ class Worker:
 
         return [rows(p, j, False) for p, j in owners], [rows(p, j, True) for p, j in owners]
 
-    def _route(self, batch: PackedBatch):
+    def _route(self, batch: PackedBatch, bank: AdapterBank):
         """The LoRA route of a training pass's batch."""
-        return self.bank.route(batch.groups)
+        return bank.route(batch.groups)
 
     def logprobs(
         self,
@@ -475,27 +561,31 @@ class Worker:
         targets: torch.Tensor,
         inv_temperature: torch.Tensor | None = None,
         routing: RoutingRecord | None = None,
+        weights: Weights | None = None,
     ) -> torch.Tensor:
         """Target log-probabilities ``[T, K]`` of a packed batch (grad-tracking if enabled), with
-        each row's logits scaled by ``inv_temperature`` (``[T]``) and MoE ``routing`` (R3)."""
+        each row's logits scaled by ``inv_temperature`` (``[T]``) and MoE ``routing`` (R3), on
+        ``weights`` (default: the base model and its adapters)."""
+        weights = weights or self._weights(0)
+        model = weights.model
         attention = PackedAttention(batch.doc_lengths, self.device)
         ctx = ForwardContext(
             positions=batch.positions,
             attend=lambda layer, q, k, v, spec, scale: attention(q, k, v, spec, scale),
-            lora=self._route(batch),
+            lora=self._route(batch, weights.bank),
             seq_lens=batch.doc_lengths,
             routing=routing,
         )
-        hidden = self.model.hidden_states(batch.input_ids, ctx)
+        hidden = model.hidden_states(batch.input_ids, ctx)
         return token_logprobs(
             hidden,
-            self.model.unembed_weight,
+            model.unembed_weight,
             targets,
             lora=ctx.lora,
-            softcap=self.model.final_logit_softcap,
+            softcap=model.final_logit_softcap,
             chunk=self.logprob_chunk,
             inv_temperature=inv_temperature,
-            vocab=self.model.vocab_split,
+            vocab=model.vocab_split,
         )
 
     # -- optimizer ------------------------------------------------------------------------------
@@ -506,6 +596,10 @@ class Worker:
             params.validate()
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        if slot < 0:
+            if self._full_sampler is not None and self._full_sampler[0][:2] == ("run", slot):
+                self._full_sampler = None  # its prefix pages hold the weights this step replaces
+            return self.full.step(slot, params)
         return self.bank.get(slot).optimizer.step(params)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -513,22 +607,53 @@ class Worker:
     def save_adapter(
         self, slot: int, path: str | Path, with_optimizer: bool, metadata: dict | None = None, overwrite: bool = False
     ) -> Path:
-        """Save ``slot``'s adapter (and optionally its Adam state) to a checkpoint folder."""
+        """Save ``slot``'s adapter (and optionally its Adam state) to a checkpoint folder; a full
+        fine-tuning run's weights as sharded safetensors (:mod:`ember.core.full_checkpoint`)."""
         meta = {"base_model": {"model_type": self.config.model_type, "vocab_size": self.config.vocab_size}}
         meta.update(metadata or {})
+        if slot < 0:
+            return self.full.save(slot, Path(path), with_optimizer, meta, overwrite)
         return save_adapter(self.bank.get(slot), path, with_optimizer, meta, overwrite)
 
     def load_adapter(self, path: str | Path, with_optimizer: bool) -> int:
-        """Create an adapter from a checkpoint folder; returns its slot."""
+        """Create an adapter (or, from a full checkpoint, a full fine-tuning run) from a checkpoint
+        folder; returns its slot."""
+        if checkpoint_format(path) == FULL_FORMAT:
+            if not self.full_finetune:
+                raise ValueError(f"{path} is a full fine-tuning checkpoint, and this model is not served with "
+                                 "--full-finetune")
+            return self.full.load(Path(path), with_optimizer)
         return load_adapter(self.bank, path, with_optimizer).slot
 
+    def load_sampler(self, path: str | Path, persistent: bool = True) -> int:
+        """A sampler's slot for the weights of a checkpoint folder (an adapter; or full weights,
+        which read the run that wrote them while it has not changed: ``ember.engine.full_runs``;
+        ``persistent``: the folder stays where it is, else a full checkpoint is copied)."""
+        if checkpoint_format(path) == FULL_FORMAT:
+            return self.full.load_sampler(Path(path), persistent)
+        return self.load_adapter(path, with_optimizer=False)
+
+    def checkpoint_kind_matches(self, slot: int, path: str | Path) -> bool:
+        """Whether the checkpoint at ``path`` is of ``slot``'s kind (LoRA adapter or full weights)."""
+        return (checkpoint_format(path) == FULL_FORMAT) == (slot < 0)
+
     def export_peft(self, slot: int, path: str | Path, base_model: str, layout: str = "peft") -> Path:
-        """Export ``slot``'s adapter as a PEFT folder (``layout``: ``peft`` or ``tinker``)."""
+        """Export ``slot``'s adapter as a PEFT folder (``layout``: ``peft`` or ``tinker``); a full
+        fine-tuning run as a whole Hugging Face model folder, completed from the base model's."""
+        if slot < 0:
+            if self.model_dir is None:
+                raise ValueError("this engine has no base model folder to complete a full-model export from")
+            run = self.full.get(slot)
+            return export_hf(run.model, run.names, self.model_dir, Path(path))
         return export_peft(self.bank.get(slot), path, base_model, layout)
 
     def import_peft(self, path: str | Path) -> int:
         """Create an adapter from a PEFT folder; returns its slot."""
         return import_peft(self.bank, path).slot
+
+
+def _checkpointing(weights: Weights, on: bool):
+    return weights.checkpointing.on(on) if weights.checkpointing is not None else nullcontext()
 
 
 def _as_2d(t: torch.Tensor, k: int) -> torch.Tensor:

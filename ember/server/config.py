@@ -43,6 +43,7 @@ class ServerConfig:
     storage: str
     auth: bool = True
     max_rank: int = 64
+    full_finetune: bool = False  # rank-0 training clients (full fine-tuning) are accepted
     long_poll_s: float = 25.0
     session_timeout_s: float = 300.0
     reaper_interval_s: float = 5.0  # how often idle sessions and expired checkpoints are collected

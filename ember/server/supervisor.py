@@ -44,6 +44,8 @@ class EngineOptions:
     expert_fsdp: bool = False  # experts sharded over the ranks that hold the same ones (ember.dist.fsdp)
     activation_checkpointing: str = "auto"  # auto | on | off (ember.core.checkpointing)
     rollout_precision: str = "bf16"  # bf16 | fp8 | mxfp8: the sampler's base weights (ember.core.rollout_precision)
+    full_finetune: bool = False  # clients may fully fine-tune (rank 0; ember.engine.full_runs)
+    optimizer_offload: str = "none"  # none | host | disk:DIR: full fine-tuning's optimizer state
     ray: str | None = None  # a Ray cluster's address (or "auto"): the ranks run as its actors (ember.engine.ray_engine)
 
 
@@ -75,6 +77,8 @@ class EngineSupervisor:
         ]
         if o.dtype:
             cmd += ["--dtype", o.dtype]
+        if o.full_finetune:
+            cmd += ["--full-finetune", "--optimizer-offload", o.optimizer_offload]
         if o.cpu_threads:
             cmd += ["--cpu-threads", str(o.cpu_threads)]
         if o.nproc > 1 or o.ray:

@@ -67,7 +67,7 @@ def server(tmp_path_factory):
         common = ["--database-url", db_url, "--storage", storage, "--max-rank", "16", "--long-poll", "10"]
         for name, path in models.items():
             common += ["--model", f"{name}={path}"]
-        proc = serve([*common, "--port", str(port), "--max-adapters", "24"], log)
+        proc = serve([*common, "--port", str(port), "--max-adapters", "24", "--full-finetune"], log)
         extra_procs = []
         try:
             wait_ready(base, proc, log, engines=True)

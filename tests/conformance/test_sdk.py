@@ -69,6 +69,12 @@ def test_stage7_cancel_future_through_the_sdk(server):
     assert cancels and all('"status": 200' in line for line in cancels), cancels
 
 
+def test_full_finetuning_through_the_sdk(server):
+    """rank 0 on a --full-finetune server: trains, samples, snapshots, resumes, exports; LoRA
+    tenants unaffected; wrong checkpoint kinds and servers without the flag refuse clearly."""
+    run_scenario(server, "s_full_finetune")
+
+
 def test_engine_death_fails_pending_requests_and_restarts(server):
     """Last: it loses every model of the Qwen3 engine."""
     run_scenario(server, "s_engine_death")

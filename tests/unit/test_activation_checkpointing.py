@@ -332,7 +332,7 @@ def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, 
     batch = pack(random_sequences(320, [40], seed=1), [(slot, True)], "cpu")
     calls, allocated = [], [0]
 
-    def logprobs(batch, targets, inv=None, routing=None):
+    def logprobs(batch, targets, inv=None, routing=None, weights=None):
         calls.append(worker.checkpointing.active)
         if len(calls) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")

@@ -62,6 +62,8 @@ class BlockSelection:
 class QSAIndexer(nn.Module):
     """Chooses the key blocks of every query (frozen: ``index_qk_proj`` and the two norms)."""
 
+    frozen_in_full_finetune = True  # ember.core.full_ft: it selects under no_grad, nothing trains it
+
     def __init__(self, hidden: int, n_heads: int, head_dim: int, budget: int, block_size: int, eps: float, layer: int):
         super().__init__()
         if budget % block_size:

@@ -45,9 +45,9 @@ def _training_run(st, m: TrainingModel) -> dict:
         "training_run_id": m.id,
         "base_model": m.base_model,
         "model_owner": m.owner,
-        "is_lora": True,
+        "is_lora": m.lora["rank"] > 0,  # rank 0: full fine-tuning
         "corrupted": m.status == "failed",
-        "lora_rank": m.lora["rank"],
+        "lora_rank": m.lora["rank"] or None,
         "last_request_time": iso(m.last_request_time),
         "last_checkpoint": checkpoint_json(last) if last else None,
         "last_sampler_checkpoint": checkpoint_json(last_sampler) if last_sampler else None,
@@ -251,7 +251,7 @@ def weights_info(body: schemas.WeightsInfoRequest, request: Request, owner: str 
     if ckpt is None or ckpt.state != "ready":
         raise not_found(f"checkpoint {body.tinker_path!r}")
     lora = tinker_lora(ckpt.lora)
-    return {"base_model": ckpt.base_model, "is_lora": True, "lora_rank": lora["rank"],
+    return {"base_model": ckpt.base_model, "is_lora": lora["rank"] > 0, "lora_rank": lora["rank"] or None,
             "train_attn": lora["train_attn"], "train_mlp": lora["train_mlp"], "train_unembed": lora["train_unembed"],
             "optimizer_config": ckpt.optimizer_config}
 

@@ -58,8 +58,15 @@ def _optimizer_config(config: dict | None) -> dict:
     return {"type": "adamw"}
 
 
-def _ember_lora(lora: schemas.LoraConfigBody, max_rank: int) -> dict:
-    """Tinker's LoraConfig -> Ember's (``rank``, ``alpha`` = 32, ``targets``, ``seed``)."""
+def _ember_lora(lora: schemas.LoraConfigBody, max_rank: int, full_finetune: bool) -> dict:
+    """Tinker's LoraConfig -> Ember's (``rank``, ``alpha`` = 32, ``targets``, ``seed``). Rank 0 is
+    Ember's extension: full fine-tuning (every weight of the run's own copy of the model), on a
+    server started with ``--full-finetune``."""
+    if lora.rank == 0:
+        if not full_finetune:
+            raise bad_request("lora_config.rank=0 asks for full fine-tuning, which this server does not offer "
+                              "(start it with --full-finetune)")
+        return {"rank": 0, "alpha": 0.0, "targets": ["attn", "mlp", "unembed"], "seed": 0}
     if not 1 <= lora.rank <= max_rank:
         raise bad_request(f"lora_config.rank={lora.rank} must be between 1 and {max_rank} (the server's --max-rank)")
     targets = [name for name, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp), ("unembed", lora.train_unembed)) if on]
@@ -87,7 +94,7 @@ def create_model(body: schemas.CreateModelRequest, request: Request, owner: str 
     st = ember(request)
     active_session(st, owner, body.session_id)
     served_model(st, body.base_model)
-    lora = _ember_lora(body.lora_config, st.config.max_rank)
+    lora = _ember_lora(body.lora_config, st.config.max_rank, st.config.full_finetune)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     rid = _submit_model(
         st, owner=owner, session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=body.base_model,
@@ -121,8 +128,8 @@ def info_json(st, model: TrainingModel) -> dict:
             "tokenizer_id": str(served.path) if served else None,
         },
         "optimizer_config": model.optimizer_config,
-        "is_lora": True,
-        "lora_rank": model.lora["rank"],
+        "is_lora": model.lora["rank"] > 0,  # rank 0: full fine-tuning
+        "lora_rank": model.lora["rank"] or None,
         "model_name": model.base_model,
     }
 

@@ -41,7 +41,7 @@ from ember.core.checkpointing import apply_checkpointing, available_bytes
 from ember.core.full_checkpoint import load_full, save_full
 from ember.core.full_ft import clone_for_training, trainable_parameters
 from ember.core.models.base import CausalLM
-from ember.core.offload import MasterAdamW
+from ember.core.offload import MasterAdamW, host_available_bytes
 from ember.core.optim import AdamParams
 
 log = logging.getLogger("ember.engine.full_runs")
@@ -67,15 +67,6 @@ def run_bytes(model: CausalLM, offload: str) -> int:
         for _, p in trainable_parameters(model):
             total += (8 if p.dtype == torch.float32 else 12) * p.numel()
     return total
-
-
-def host_available_bytes() -> int:
-    """``MemAvailable`` of the host (what a CPU engine's runs are checked against)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def free_bytes(device: torch.device) -> int:

@@ -11,6 +11,56 @@ from pathlib import Path
 DEFAULT_HOME = os.environ.get("EMBER_HOME", "~/.ember")
 
 
+def _export(args: argparse.Namespace) -> int:
+    """``ember export``: a checkpoint folder as a Hugging Face model (full fine-tuning) or a PEFT
+    adapter (LoRA)."""
+    import torch
+
+    from ember.core.checkpoint import FULL_FORMAT, checkpoint_format, load_adapter
+    from ember.core.config import load_config
+    from ember.core.full_checkpoint import export_hf, load_full
+    from ember.core.full_ft import clone_for_training, trainable_parameters
+    from ember.core.loading import load_model
+
+    def fail(msg: str) -> int:
+        print(f"ember export: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        kind = checkpoint_format(args.checkpoint)
+        meta = json.loads((args.checkpoint / "metadata.json").read_text())
+        cfg = load_config(args.base)
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    saved = meta.get("base_model") or {}
+    for key in ("model_type", "vocab_size"):
+        if key in saved and saved[key] != getattr(cfg, key):
+            return fail(f"{args.checkpoint} was trained on a {key} of {saved[key]!r}; {args.base} has "
+                        f"{getattr(cfg, key)!r}")
+    if args.out.exists() and not args.overwrite:
+        return fail(f"{args.out} exists (pass --overwrite to replace it)")
+    print(f"loading {args.base}", file=sys.stderr)
+    try:
+        if kind == FULL_FORMAT:
+            dtype = getattr(torch, next(iter(meta.get("parameters", {}).values()), "float32"))
+            model = clone_for_training(load_model(args.base, "cpu", dtype))
+            names = [n for n, _ in trainable_parameters(model)]
+            load_full(model, args.checkpoint, names, with_optimizer=False)
+            export_hf(model, names, args.base, args.out, overwrite=args.overwrite,
+                      progress=lambda line: print(line, file=sys.stderr))
+        else:
+            from ember.core.adapters import AdapterBank
+            from ember.core.peft_format import export_peft
+
+            model = load_model(args.base, "cpu", torch.float32)
+            adapter = load_adapter(AdapterBank(model, max_adapters=1, max_rank=1024), args.checkpoint, False)
+            export_peft(adapter, args.out, str(args.base), "peft")
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ember.engine.demo import run_demo
 
@@ -318,6 +368,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="readable text lines or JSON lines on stderr (default auto: text on a terminal, "
                        "JSON otherwise)")
     serve.set_defaults(func=_serve)
+
+    export = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model (full fine-tuning) or a PEFT adapter (LoRA)",
+        description="Export a checkpoint folder: a full fine-tuning checkpoint becomes a whole Hugging Face "
+        "model folder (config, tokenizer and every tensor of the base checkpoint, with the trained values where "
+        "the run trained them; what it never held, e.g. MTP layers, copied from BASE); a LoRA checkpoint "
+        "becomes a PEFT adapter folder.")
+    export.add_argument("checkpoint", type=Path, help="an Ember checkpoint folder (a downloaded save_state or "
+                        "save_weights_for_sampler, or one under the server's --storage)")
+    export.add_argument("--base", type=Path, required=True, help="the base model's local Hugging Face folder")
+    export.add_argument("--out", type=Path, required=True, help="the folder to write")
+    export.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    export.set_defaults(func=_export)
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys", description="Manage API keys (stored hashed).")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

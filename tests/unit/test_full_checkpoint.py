@@ -79,3 +79,30 @@ def test_export_loads_in_transformers_with_the_trained_logits(tmp_path, family, 
     for s, lp, b in zip(seqs, ours, before):
         assert (lp - b).abs().max() > 1e-2  # the perturbation shows
         torch.testing.assert_close(lp.double(), hf_logprobs(hf.eval(), s), atol=1e-4, rtol=0)
+
+
+def test_ember_export_cli(tmp_path, capsys):
+    import transformers
+
+    from ember.cli import main
+    from ember.engine.worker import Worker
+
+    path = save_hf_model(build_hf_model("qwen3", seed=5), tmp_path / "m")
+    model = perturbed(path)
+    names = [n for n, _ in trainable_parameters(model)]
+    fc.save_full(model, tmp_path / "ck", names, None, {"base_model": {"model_type": "qwen3", "vocab_size": 320}})
+    assert main(["export", str(tmp_path / "ck"), "--base", str(path), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    seq = random_sequences(320, [9], seed=1)[0]
+    torch.testing.assert_close(ember_logprobs(Worker(model), [seq])[0].double(), hf_logprobs(hf, seq), atol=1e-4, rtol=0)
+    assert main(["export", str(tmp_path / "ck"), "--base", str(path), "--out", str(tmp_path / "hf")]) == 2
+    assert "exists" in capsys.readouterr().err
+    lora_worker = Worker(load_model(path, "cpu", torch.float32), max_adapters=1)
+    from ember.core.adapters import LoraConfig
+
+    slot = lora_worker.create_adapter(LoraConfig(rank=4))
+    lora_worker.save_adapter(slot, tmp_path / "lora", with_optimizer=False)
+    assert main(["export", str(tmp_path / "lora"), "--base", str(path), "--out", str(tmp_path / "peft")]) == 0
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+    assert main(["export", str(tmp_path / "nope"), "--base", str(path), "--out", str(tmp_path / "x")]) == 2

@@ -148,7 +148,10 @@ def test_sampler_logprobs_equal_trainer_logprobs(family, monkeypatch):
     for (i, j), ref in zip(where, trainer):
         req, res = reqs[i], results[i]
         P = len(req.prompt)
-        np.testing.assert_allclose(res.sequences[j].logprobs, ref[P - 1 :], atol=1e-4, rtol=0, err_msg=f"{i}/{j}")
+        # Gated DeltaNet decodes with its recurrent form and trains with the chunked one: in fp32
+        # their accumulation orders differ by up to ~2.5e-4 in a logprob (measured on qwen3_next)
+        atol = 3e-4 if name in ("qwen3_next", "qwen4_exp") else 1e-4
+        np.testing.assert_allclose(res.sequences[j].logprobs, ref[P - 1 :], atol=atol, rtol=0, err_msg=f"{i}/{j}")
         assert np.isnan(res.prompt_logprobs[0])
         np.testing.assert_allclose(res.prompt_logprobs[1:], ref[: P - 1], atol=1e-4, rtol=0)
     # samples of one request differ (forked pages and states are not shared by mistake)

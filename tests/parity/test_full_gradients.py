@@ -25,7 +25,7 @@ def hf_loss(hf, seqs, weights):
 
 
 def _builders():
-    from tests.parity import test_deepseek_v3, test_inkling2, test_olmo3, test_qwen3_next, test_qwen4_exp
+    from tests.parity import test_deepseek_v3, test_olmo3, test_qwen3_next, test_qwen4_exp
 
     return {
         "deepseek_v3": lambda: test_deepseek_v3.build_hf("deepseek_v3"),
@@ -33,8 +33,19 @@ def _builders():
         "olmo3": test_olmo3.build_hf,
         "qwen3_next": test_qwen3_next.build_hf,
         "qwen4_exp": test_qwen4_exp.build_hf,
-        "inkling2": test_inkling2.build_hf_inkling2,
+        "inkling2": _inkling2_with_pad,  # its own embedding module
     }
+
+
+def _inkling2_with_pad():
+    """Inkling2 with a pad token; its row is made non-zero (transformers initialises it to zeros,
+    and a zero embedding gives NaN gradients through Inkling2's normalisations)."""
+    from tests.parity import test_inkling2
+
+    hf = test_inkling2.build_hf_inkling2(pad_token_id=5)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[5].normal_(generator=torch.Generator().manual_seed(3))
+    return hf
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -53,6 +64,9 @@ def test_full_gradients_of_the_newer_families(family, tmp_path):
 def check_gradients(hf, path, tmp_path):
     model = clone_for_training(load_model(path, "cpu", torch.float32))
     seqs = random_sequences(model.config.vocab_size, [11, 17, 6], seed=7)
+    pad = model.config.raw.get("pad_token_id")
+    if pad is not None:  # transformers gives the pad token's embedding row no gradient (padding_idx)
+        seqs[1][3] = seqs[2][0] = pad
     g = torch.Generator().manual_seed(1)
     weights = [torch.rand(len(s) - 1, generator=g) for s in seqs]
     batch = pack([s[:-1] for s in seqs], [(0, True)] * len(seqs), "cpu")
@@ -85,4 +99,6 @@ def check_gradients(hf, path, tmp_path):
         checked += 1
     assert checked >= 0.8 * len(trainable_parameters(model))  # most weights really get gradients
     params = dict(model.named_parameters())
+    if pad is not None:
+        assert params["model.embed_tokens.weight"].grad[pad].abs().max() == 0 or model.config.tie_word_embeddings
     assert all(params[n].grad is None and not params[n].requires_grad for n in frozen_parameter_names(model))

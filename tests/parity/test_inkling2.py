@@ -78,11 +78,11 @@ TINY = {
 }
 
 
-def build_hf_inkling2(seed: int = 0):
+def build_hf_inkling2(seed: int = 0, **overrides):
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = tf.Inkling2TextConfig(**TINY)
+    cfg = tf.Inkling2TextConfig(**(TINY | overrides))
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

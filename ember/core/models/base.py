@@ -80,6 +80,14 @@ class LoraTarget:
     full_in_features: int | None = None
 
 
+def set_padding_idx(embedding: nn.Module, cfg: ModelConfig) -> None:
+    """Give the config's pad token row no gradient, as transformers' ``nn.Embedding(...,
+    padding_idx)`` does (only full fine-tuning trains the embedding)."""
+    pad = cfg.raw.get("pad_token_id")
+    if isinstance(pad, int) and -cfg.vocab_size <= pad < cfg.vocab_size:
+        embedding.padding_idx = pad % cfg.vocab_size
+
+
 class CausalLM(nn.Module):
     """Base of every family: ``hidden_states`` maps token ids to final hidden states; the LM head
     is applied by :mod:`ember.core.logprobs` in chunks, so models never build full logits."""
@@ -95,6 +103,7 @@ class CausalLM(nn.Module):
         (tied to the embedding if configured), freeze the base weights, name the LoRA modules."""
         self.config = cfg
         self.model = decoder
+        set_padding_idx(decoder.embed_tokens, cfg)
         self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size, False, "unembed")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

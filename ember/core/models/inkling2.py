@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import ModelConfig
@@ -56,7 +57,7 @@ from ember.core.layers.norms import RMSNorm
 from ember.core.layers.relative_attention import PackedRelativeAttention, RelativeAttentionSpec
 from ember.core.layers.router import GroupLimitedSigmoidRouter
 from ember.core.layers.short_conv import DynamicShortConvolution, ShortConvolution
-from ember.core.models.base import CausalLM, ForwardContext
+from ember.core.models.base import CausalLM, ForwardContext, set_padding_idx
 
 SLIDING, GLOBAL = "hybrid_sliding", "hybrid"
 
@@ -339,13 +340,15 @@ class Inkling2DecoderLayer(nn.Module):
 class NormedEmbedding(nn.Module):
     """Token embedding followed by an RMSNorm (transformers ``Inkling2NormedEmbedding``)."""
 
+    padding_idx: int | None = None  # the row that gets no gradient (set by CausalLM.attach)
+
     def __init__(self, vocab: int, hidden: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab, hidden))
         self.embed_norm = RMSNorm(hidden, eps)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_norm(self.weight[ids])
+        return self.embed_norm(F.embedding(ids, self.weight, self.padding_idx))
 
 
 class Inkling2Decoder(nn.Module):
@@ -395,6 +398,7 @@ class Inkling2ForCausalLM(CausalLM):
             raise ValueError(f"unpadded_vocab_size {dims.unpadded_vocab} must be in 1..vocab_size ({dims.vocab})")
         self.final_logit_softcap = dims.final_softcap
         self.model = Inkling2Decoder(dims)
+        set_padding_idx(self.model.embed_tokens, cfg)
         self.lm_head = PaddedLMHead(dims.hidden, dims.vocab, dims.unpadded_vocab)
         for p in self.parameters():
             p.requires_grad_(False)

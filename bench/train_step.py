@@ -20,6 +20,8 @@ model stays loaded beside it, as in a served engine):
 
 * full-none   Ember's rank-0 run, fp32 master weights and Adam moments on the GPU
 * full-host   the same with --optimizer-offload host (pinned host memory, streamed in chunks)
+* full-host-gN  the same with --optimizer-device-gib N: the first N GiB of the state stay on the GPU,
+              the rest streams (e.g. full-host-g80)
 * full-disk   the same with --optimizer-offload disk:DIR (DIR: --offload-dir)
 * torch-full  plain PyTorch on the same model code: the weights trained in place (bf16), fused
               torch.optim.AdamW with its state resident on the GPU, clip_grad_norm_; no second copy
@@ -47,6 +49,7 @@ import json
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -195,10 +198,11 @@ def run_parallel(args, hf_cfg, seqs) -> dict:
     return run_ranks(args.nproc, _parallel_rank, args, hf_cfg, seqs)
 
 
-def run_full(model, seqs, offload: str, warmup, iters, micro: int = 1):
+def run_full(model, seqs, offload: str, warmup, iters, micro: int = 1, device_gib: float = 0.0):
     """Ember full fine-tuning: a rank-0 run beside the base model, ``micro`` forward_backward calls
     and one optim_step per step (the optimizer step timed on its own as ``optim_s``)."""
-    worker = Worker(model, max_adapters=1, full_finetune=True, optimizer_offload=offload)
+    worker = Worker(model, max_adapters=1, full_finetune=True, optimizer_offload=offload,
+                    optimizer_device_bytes=int(device_gib * 2**30))
     slot = worker.create_adapter(LoraConfig(rank=0))
     n = len(seqs) // micro
     parts = [requests([slot], seqs[i * n : (i + 1) * n]) for i in range(micro)]
@@ -214,7 +218,8 @@ def run_full(model, seqs, offload: str, warmup, iters, micro: int = 1):
 
     return _timed_full(step, warmup, iters, losses, optim, seqs, lambda: worker.free_adapter(slot),
                        trainable=sum(p.numel() for p in worker.full.get(slot).tensors().values()),
-                       offload=offload)
+                       offload=offload, state_gib={k: v / 2**30 for k, v in
+                                                   worker.full.get(slot).optimizer.state_bytes().items()})
 
 
 def run_torch_full(model, seqs, warmup, iters):
@@ -362,6 +367,10 @@ def main() -> None:
         "full-disk": lambda: run_full(model, seqs, f"disk:{args.offload_dir}", args.warmup, args.iters, args.micro),
         "torch-full": lambda: run_torch_full(model, seqs, args.warmup, args.iters),
     }
+    for name in names:
+        if name.startswith("full-host-g"):
+            plan[name] = partial(run_full, model, seqs, "host", args.warmup, args.iters, args.micro,
+                                 float(name.removeprefix("full-host-g")))
     hf_skip = hf_baseline_unavailable(hf_cfg)
     for name in names:
         if name == "hf-peft" and hf_skip:

@@ -26,6 +26,14 @@ def _export(args: argparse.Namespace) -> int:
         print(f"ember export: {msg}", file=sys.stderr)
         return 2
 
+    for what, path in (("checkpoint", args.checkpoint), ("--base", args.base)):
+        if not path.is_dir():
+            return fail(f"{what} {path} is not a folder" if path.exists() else f"{what} {path} does not exist")
+    if (args.checkpoint / "config.json").is_file() and not (args.checkpoint / "metadata.json").is_file():
+        return fail(f"{args.checkpoint} is a Hugging Face model folder, not an Ember checkpoint: pass the "
+                    "checkpoint first and the model it was trained from as --base")
+    if (args.base / "metadata.json").is_file() and not (args.base / "config.json").is_file():
+        return fail(f"--base {args.base} is an Ember checkpoint; pass the base model's Hugging Face folder")
     try:
         kind = checkpoint_format(args.checkpoint)
         meta = json.loads((args.checkpoint / "metadata.json").read_text())
@@ -45,9 +53,12 @@ def _export(args: argparse.Namespace) -> int:
             dtype = getattr(torch, next(iter(meta.get("parameters", {}).values()), "float32"))
             model = clone_for_training(load_model(args.base, "cpu", dtype))
             names = [n for n, _ in trainable_parameters(model)]
-            load_full(model, args.checkpoint, names, with_optimizer=False)
+            try:
+                load_full(model, args.checkpoint, names, with_optimizer=False)
+            except ValueError as e:
+                return fail(f"{e} (is {args.base} the model this checkpoint was trained from?)")
             export_hf(model, names, args.base, args.out, overwrite=args.overwrite,
-                      progress=lambda line: print(line, file=sys.stderr))
+                      progress=lambda line: print(line, file=sys.stderr), quantized=args.quantized)
         else:
             from ember.core.adapters import AdapterBank
             from ember.core.peft_format import export_peft
@@ -55,7 +66,7 @@ def _export(args: argparse.Namespace) -> int:
             model = load_model(args.base, "cpu", torch.float32)
             adapter = load_adapter(AdapterBank(model, max_adapters=1, max_rank=1024), args.checkpoint, False)
             export_peft(adapter, args.out, str(args.base), "peft")
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, NotImplementedError) as e:
         return fail(str(e))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
@@ -137,6 +148,8 @@ def _check_full_finetune(args: argparse.Namespace) -> None:
     offload = args.optimizer_offload
     if not (offload in ("none", "host") or offload.startswith("disk:") and len(offload) > 5):
         raise ValueError(f"--optimizer-offload must be none, host or disk:DIR, got {offload!r}")
+    if args.optimizer_device_gib < 0:
+        raise ValueError(f"--optimizer-device-gib must be >= 0, got {args.optimizer_device_gib}")
     if args.full_finetune and (args.nproc > 1 or args.ray):
         raise ValueError("--full-finetune runs each engine on one process: not with --nproc > 1 or --ray")
     if offload.startswith("disk:"):
@@ -186,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
         activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision,
         ray=args.ray, full_finetune=args.full_finetune, optimizer_offload=args.optimizer_offload,
+        optimizer_device_gib=args.optimizer_device_gib,
     )
     run(config, args.host, args.port, engine, args.log_level, args.log_format)
     return 0
@@ -330,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="where full fine-tuning keeps its fp32 master weights and Adam moments: none (on the "
                        "device), host (pinned host memory), or disk:DIR (host memory, and files under DIR for what "
                        "it cannot hold); streamed through the device in chunks at each optimizer step (default none)")
+    serve.add_argument("--optimizer-device-gib", type=float, default=0.0, metavar="GIB",
+                       help="with --optimizer-offload host or disk:DIR: keep up to this many GiB of the optimizer state on the GPU anyway (whole parameters, the first ones), so fewer bytes cross the host link each step (ZeRO-Offload's partial offload; default 0: all of it off the GPU)")
     serve.add_argument("--max-adapters", type=int, default=32, help="LoRA adapter slots per base model (default 32)")
     serve.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--token-budget", type=int, default=16384,
@@ -380,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--base", type=Path, required=True, help="the base model's local Hugging Face folder")
     export.add_argument("--out", type=Path, required=True, help="the folder to write")
     export.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    export.add_argument("--quantized", choices=("base", "dequantize"), default="base",
+                        help="(full fine-tuning, quantized BASE: MXFP8, NVFP4, FP8 tiles) 'base' (default) writes "
+                        "BASE's format: trained weights re-quantized by the format's recipe, the others copied "
+                        "with their scales; 'dequantize' writes every quantized weight in the checkpoint's dtype, "
+                        "without scales, and drops config.json's quantization_config")
     export.set_defaults(func=_export)
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys", description="Manage API keys (stored hashed).")

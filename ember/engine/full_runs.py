@@ -59,14 +59,12 @@ def weight_bytes(model: CausalLM) -> int:
     return sum(p.numel() * p.element_size() for _, p in trainable_parameters(model))
 
 
-def run_bytes(model: CausalLM, offload: str) -> int:
+def run_bytes(model: CausalLM, offload: str, device_bytes: int = 0) -> int:
     """Device bytes a new run of ``model`` takes: its weights and their gradients in the model
-    dtype, and, with the optimizer on the device, fp32 moments and master weights."""
-    total = 2 * weight_bytes(model)
-    if offload == "none":
-        for _, p in trainable_parameters(model):
-            total += (8 if p.dtype == torch.float32 else 12) * p.numel()
-    return total
+    dtype, and the optimizer's fp32 moments and master weights on the device (all of them with
+    ``none``, else at most ``device_bytes``)."""
+    state = sum((8 if p.dtype == torch.float32 else 12) * p.numel() for _, p in trainable_parameters(model))
+    return 2 * weight_bytes(model) + (state if offload == "none" else min(state, device_bytes))
 
 
 def free_bytes(device: torch.device) -> int:
@@ -115,9 +113,10 @@ class Weights:
 class FullRuns:
     """The full fine-tuning runs and full-weights samplers of one worker (see the module doc)."""
 
-    def __init__(self, base: CausalLM, offload: str = "none", checkpointing: bool = True):
+    def __init__(self, base: CausalLM, offload: str = "none", checkpointing: bool = True, device_bytes: int = 0):
         self.base = base
         self.offload = offload
+        self.device_bytes = device_bytes  # optimizer state kept on the device anyway (host, disk)
         self.checkpointing = checkpointing
         self.runs: dict[int, FullRun] = {}
         self.samplers: dict[int, FullSampler] = {}
@@ -146,10 +145,10 @@ class FullRuns:
 
     def create(self) -> int:
         """A new run over the base model's current weights; returns its id."""
-        self._check_room(run_bytes(self.base, self.offload), "another full fine-tuning run")
+        self._check_room(run_bytes(self.base, self.offload, self.device_bytes), "another full fine-tuning run")
         model = clone_for_training(self.base)
         params = trainable_parameters(model)
-        optimizer = MasterAdamW(params, self.offload)
+        optimizer = MasterAdamW(params, self.offload, device_budget_bytes=self.device_bytes)
         run = FullRun(model, [n for n, _ in params], optimizer, AdapterBank(model, max_adapters=1, max_rank=1),
                       apply_checkpointing(model) if self.checkpointing else None)
         i = self._new_id()

@@ -728,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer-offload", default="none", metavar="none|host|disk:DIR",
                     help="where full fine-tuning keeps its fp32 master weights and Adam moments: on the device, in "
                     "pinned host memory, or in host memory with what it cannot hold in files under DIR")
+    ap.add_argument("--optimizer-device-gib", type=float, default=0.0, metavar="GIB",
+                    help="with --optimizer-offload host or disk:DIR: keep up to this many GiB of the optimizer state on the GPU anyway (whole parameters, the first ones), so fewer bytes cross the host link each step (ZeRO-Offload's partial offload; default 0: all of it off the GPU)")
     ap.add_argument("--ray", default=None, metavar="ADDRESS",
                     help="run the --nproc ranks as actors of the Ray cluster at ADDRESS (or auto) "
                     "(ember.engine.ray_engine); this process stays the driver")
@@ -742,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--full-finetune runs on one process: not with --nproc > 1 or --ray")
     if not (args.optimizer_offload in ("none", "host") or args.optimizer_offload.startswith("disk:")):
         ap.error(f"--optimizer-offload must be none, host or disk:DIR, got {args.optimizer_offload!r}")
+    if args.optimizer_device_gib < 0:
+        ap.error(f"--optimizer-device-gib must be >= 0, got {args.optimizer_device_gib}")
     if args.expert_fsdp and args.nproc // args.ep < 2:
         ap.error(f"--expert-fsdp needs --nproc ({args.nproc}) > --ep ({args.ep}): no two ranks hold the same experts")
     if args.device == "cpu" and not args.ray:  # on Ray: each actor sets its own
@@ -749,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
     kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank, full_finetune=args.full_finetune,
-                  optimizer_offload=args.optimizer_offload,
+                  optimizer_offload=args.optimizer_offload, optimizer_device_bytes=int(args.optimizer_device_gib * 2**30),
                   activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision)
     if args.nproc > 1 and not args.ray:
         from ember.engine import ranks

@@ -103,6 +103,7 @@ class Worker:
         rollout_precision: str | None = None,
         full_finetune: bool = False,
         optimizer_offload: str = "none",
+        optimizer_device_bytes: int = 0,
     ):
         if activation_checkpointing not in MODES:
             raise ValueError(f"activation_checkpointing must be one of {MODES}, got {activation_checkpointing!r}")
@@ -123,7 +124,7 @@ class Worker:
         self._kept_per_token = 0.0  # most activation bytes per token a training forward kept (CUDA)
         # full fine-tuning runs (rank 0) and their samplers, under negative slots (ember.engine.full_runs)
         self.full_finetune = full_finetune  # whether clients may start full runs (samplers of full weights: always)
-        self.full = FullRuns(model, optimizer_offload, activation_checkpointing != "off")
+        self.full = FullRuns(model, optimizer_offload, activation_checkpointing != "off", optimizer_device_bytes)
         self.model_dir: Path | None = None  # the base model's folder (from_pretrained): full-model exports read it
         self._full_sampler: tuple[tuple, SamplingEngine] | None = None  # the sampling engine of full weights
 

@@ -46,6 +46,7 @@ class EngineOptions:
     rollout_precision: str = "bf16"  # bf16 | fp8 | mxfp8: the sampler's base weights (ember.core.rollout_precision)
     full_finetune: bool = False  # clients may fully fine-tune (rank 0; ember.engine.full_runs)
     optimizer_offload: str = "none"  # none | host | disk:DIR: full fine-tuning's optimizer state
+    optimizer_device_gib: float = 0.0  # ... of which this much stays on the GPU anyway (host, disk)
     ray: str | None = None  # a Ray cluster's address (or "auto"): the ranks run as its actors (ember.engine.ray_engine)
 
 
@@ -78,7 +79,8 @@ class EngineSupervisor:
         if o.dtype:
             cmd += ["--dtype", o.dtype]
         if o.full_finetune:
-            cmd += ["--full-finetune", "--optimizer-offload", o.optimizer_offload]
+            cmd += ["--full-finetune", "--optimizer-offload", o.optimizer_offload,
+                    "--optimizer-device-gib", str(o.optimizer_device_gib)]
         if o.cpu_threads:
             cmd += ["--cpu-threads", str(o.cpu_threads)]
         if o.nproc > 1 or o.ray:

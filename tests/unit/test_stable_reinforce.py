@@ -109,6 +109,39 @@ def test_loss_logprobs_and_gradients_equal_the_float64_formula(name, params, con
         assert 0 < out.metrics["stability/trainer_mass:mean"] < 1  # truncation really cut the distribution
 
 
+def test_a_full_finetuning_run_equals_the_float64_formula(hf_models, tmp_path):
+    """stable_reinforce on a rank-0 run (every weight trains): a sampler of the run's weights
+    records the samples' stability, and its loss, logprobs and every weight's gradient equal the float64
+    formula on transformers' logits."""
+    from tests.parity.test_full_gradients import assert_full_gradients_equal, grads_in_ember_layout
+
+    hf, path = hf_models["qwen3"]
+    worker = Worker.from_pretrained(path, "cpu", torch.float32, full_finetune=True, activation_checkpointing="off")
+    slot = worker.create_adapter(LoraConfig(rank=0))
+    store = StabilityStore()
+    _, params, config = CASES[3]  # truncated, with TIS and KL
+    samples = sample_and_record(worker, worker.snapshot_adapter(slot), params, store)  # its sampler
+    datums, rows = [], []
+    for (prompt, seq, sid), a in zip(samples, np.random.default_rng(1).normal(0, 1, len(samples))):
+        d, ins, outs = cookbook_datum(prompt, seq, sid, a)
+        datums.append(resolve_datum(store, SESSION, d, ins, outs, "data"))
+        rows.append(reference_rows(store, d, sid, len(prompt)))
+    (out,) = worker.forward_backward([ForwardBackwardInput(slot, datums, "stable_reinforce", config)])
+
+    reference = copy.deepcopy(hf).double()
+    total = 0.0
+    for d, r, lp in zip(datums, rows, out.logprobs):
+        logits = reference(torch.tensor([d.tokens.tolist()])).logits[0]
+        loss, logprobs = ref.loss(logits, d.loss_inputs["target_tokens"], r, d.loss_inputs["advantages"], **config)
+        np.testing.assert_allclose(lp, logprobs.detach().numpy(), atol=1e-5, rtol=0)
+        total = total + loss
+    assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-5)
+    assert out.metrics["stability/gap:mean"] < 1e-5
+    total.backward()
+    assert_full_gradients_equal(worker.full.get(slot).model, grads_in_ember_layout(reference, tmp_path))
+    assert all(p.grad is None for p in worker.model.parameters())  # the shared base model is untouched
+
+
 def test_replay_matters_for_truncated_sampling(hf_models):
     """The returned logprob is log p_S (renormalised over the kept set), not the full-vocabulary
     logprob the plain losses use: they differ by log of the kept mass."""

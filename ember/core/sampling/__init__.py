@@ -9,7 +9,7 @@
 * :mod:`.requests` — token-level requests, results and stop rules
 """
 
-from ember.core.sampling.engine import EngineStats, SamplerConfig, SamplingEngine
+from ember.core.sampling.engine import EngineStats, SamplerConfig, SamplingEngine, StepRecord
 from ember.core.sampling.logits import derive_seed
 from ember.core.sampling.requests import (
     GenerationRequest,
@@ -27,6 +27,7 @@ __all__ = [
     "SamplerConfig",
     "SamplingEngine",
     "SequenceResult",
+    "StepRecord",
     "StopRule",
     "derive_seed",
 ]

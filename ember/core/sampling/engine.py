@@ -2,17 +2,25 @@
 
 Each :meth:`SamplingEngine.step`
 
-1. admits waiting requests (:class:`~ember.core.sampling.scheduler.Scheduler`) and prefills their
-   prompts in ONE packed pass without padding (mixed adapters, ordered by slot). Full-vocabulary
-   logits are computed only where needed: the last prompt position (the first sampled token of
-   every sample) and the positions whose top-k prompt logprobs were asked for; plain prompt
-   logprobs and target logprobs use the trainer's chunked :func:`~ember.core.logprobs.token_logprobs`.
-   Samples of one prompt then fork its KV pages (full pages shared). With prefix sharing, a
+1. admits waiting requests (:class:`~ember.core.sampling.scheduler.Scheduler`) and prefills the
+   step's prompt chunks in ONE packed pass without padding (mixed adapters, ordered by slot). The
+   step's token budget (``max_prefill_tokens``) counts one decode token per running sequence first;
+   prompts get the rest. In families of ``CHUNK_FAMILIES`` a prompt longer than that is prefilled in
+   chunks over several steps: a chunk continues the tokens already cached (attention over their
+   pages, recurrent and convolution state carried by the state store), so the running sequences
+   never stall behind a long prompt. Other families prefill whole prompts. When a prompt's last
+   chunk has run, full-vocabulary logits are computed only where needed: its last position (the
+   first sampled token of every sample) and the positions whose top-k prompt logprobs were asked
+   for; plain prompt logprobs and target logprobs use the trainer's chunked
+   :func:`~ember.core.logprobs.token_logprobs` (the hidden states of earlier chunks are kept for
+   them). Samples of one prompt then fork its KV pages (full pages shared). With prefix sharing, a
    prompt that begins with whole pages already in the cache for the same adapter weights reuses
    them and the pass holds only its remaining tokens (:meth:`SamplingEngine._shareable`);
 2. runs one decode step for every running sequence, whatever its adapter (the base model included),
    and samples each next token (:mod:`ember.core.sampling.logits`); finished sequences free their
    rows and pages at once, so waiting requests join in the next step (continuous batching).
+
+``stats.steps`` records each step's prefill and decode tokens (:class:`StepRecord`).
 
 Sampling runs under ``torch.no_grad`` on the trainer's own model and adapter bank (LoRA-native: no
 weight sync). Decode steps use an adapter's factors as they were when a request for it was last
@@ -29,6 +37,7 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -81,7 +90,13 @@ class SamplerConfig:
     * ``max_seqs``: sequences decoded together (rows of a decode step).
     * ``kv_tokens``: KV cache capacity in tokens. ``None``: on CUDA, ``kv_memory_fraction`` of the
       free device memory at construction; elsewhere ``max_seqs`` x min(context, 2048), at most 65536.
-    * ``max_prefill_tokens``: prompt tokens admitted per step (a longer single prompt still runs).
+    * ``max_prefill_tokens``: tokens per engine step: one decode token per running sequence, the
+      rest for prompts (at least one page). With ``chunked_prefill`` (families in
+      ``CHUNK_FAMILIES``) it is the chunk budget: a longer prompt is prefilled in chunks over
+      several steps, each step also decoding every running sequence, with the outputs of a whole
+      prefill. Otherwise it limits the whole prompts admitted per step (the step's first prompt may
+      exceed it).
+    * ``chunked_prefill``: prefill prompts in chunks as above (``False``: always whole).
     * ``static_decode``: decode with static shapes (:mod:`ember.core.sampling.graphs`); ``None``:
       on CUDA for dense Llama/Qwen3 models in bf16. ``cuda_graphs``: capture those steps.
     * ``rollout_precision``: ``bf16`` (the model's weights), ``fp8`` or ``mxfp8``: the base projections
@@ -91,7 +106,7 @@ class SamplerConfig:
       adapter weights (another request's prompt, running or finished) reuses those pages and
       prefills only the rest. Families in ``PREFIX_FAMILIES`` only (their layers keep no recurrent
       state and attend plainly); requests that ask for prompt-side outputs (prompt logprobs, top-k
-      or target prompt logprobs, prompt alternatives, routing records) prefill their whole prompt.
+      or target prompt logprobs, prompt alternatives, routing records) compute their whole prompt.
       Pages kept for later prompts are reclaimed, least recently used first, when an allocation
       finds no free page.
     """
@@ -101,11 +116,22 @@ class SamplerConfig:
     kv_tokens: int | None = None
     kv_memory_fraction: float = 0.3
     max_prefill_tokens: int = 16384
+    chunked_prefill: bool = True
     static_decode: bool | None = None
     cuda_graphs: bool = True
     buckets: tuple[int, ...] | None = None
     rollout_precision: str = "bf16"
     prefix_sharing: bool = True
+
+
+class StepRecord(NamedTuple):
+    """One engine step: prompt tokens computed in its prefill pass, decode tokens (one per running
+    sequence), prompts still being prefilled after it, and its host wall time."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    prefilling: int
+    seconds: float
 
 
 @dataclass
@@ -121,6 +147,7 @@ class EngineStats:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     step_times: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1 << 16))  # (rows, s)
+    steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=1 << 16))  # every engine step
     first_token_time: float | None = None  # perf_counter() when the first token was sampled
 
 
@@ -128,8 +155,15 @@ STATIC_FAMILIES = {"llama", "qwen3"}
 # families whose prompts may continue a cached prefix: only attention layers (plain or sliding)
 # carry context. Hybrid families (qwen3_next, qwen4_exp: linear attention; inkling2: short
 # convolutions and relative attention) keep per-sequence recurrent state that the pages do not
-# hold, so they always prefill whole prompts.
+# hold, so their prompts never start from another prompt's pages.
 PREFIX_FAMILIES = {"llama", "qwen3", "qwen3_moe"}
+# families whose prompts may be prefilled in chunks: a chunk attends plainly (sliding windows and
+# latent attention included) over the tokens already cached, and recurrent layers (qwen3_next's
+# Gated DeltaNet: convolution window and delta-rule state) continue from the state store. Not
+# qwen4_exp (its QSA indexer's prefill keeps and selects over the pass's own index keys only) nor
+# inkling2 (its relative attention runs the trainer's packed call, from position 0): PrefillAttention
+# refuses a cached prefix for both, so they prefill whole prompts.
+CHUNK_FAMILIES = {"llama", "qwen3", "qwen3_moe", "olmo3", "deepseek_v3", "glm4_moe_lite", "qwen3_next"}
 
 
 class SamplingEngine:
@@ -157,7 +191,11 @@ class SamplingEngine:
         self.cache = PagedKVCache(num_pages, config.page_size, dtype, self.device)
         self.states = RecurrentStateStore()
         self.scheduler = Scheduler(
-            config.max_seqs, self.cache.usable_pages, config.page_size, config.max_prefill_tokens
+            config.max_seqs,
+            self.cache.usable_pages,
+            config.page_size,
+            config.max_prefill_tokens,
+            chunked=config.chunked_prefill and model.config.model_type in CHUNK_FAMILIES,
         )
         self.eager = EagerDecoder(model, bank, self.cache, self.states, self.max_seq_len)
         # the sampler's quantised copy of the base weights (bf16: none; removes an earlier one)
@@ -275,9 +313,11 @@ class SamplingEngine:
 
     @torch.no_grad()
     def step(self) -> dict[int, GenerationResult]:
-        """One engine step (admission + prefill, then one decode step); returns the requests that
-        finished in it, by handle."""
+        """One engine step (admission, a prefill pass over the step's prompt chunks, then one decode
+        step for every running sequence); returns the requests that finished in it, by handle."""
+        t0 = time.perf_counter()
         finished: dict[int, GenerationResult] = {}
+        prefilled = decoded = 0
         with rollout_precision.sampling(self.model):
             admitted = self.scheduler.admit()
             if admitted:
@@ -285,52 +325,53 @@ class SamplingEngine:
                 self.eager.refresh(slots)
                 if self.static is not None:
                     self.static.sync(slots)
-                self._prefill(admitted, finished)
+            chunks = self.scheduler.chunks()
+            if chunks:
+                prefilled = self._prefill(chunks, finished)
             if self.scheduler.running:
-                self._decode(finished)
+                decoded = self._decode(finished)
+        dt = time.perf_counter() - t0
+        self.stats.steps.append(StepRecord(prefilled, decoded, len(self.scheduler.prefilling), dt))
         return finished
 
     # -- prefill ---------------------------------------------------------------------------------
 
-    def _prefill(self, reqs: list[RequestState], finished: dict[int, GenerationResult]) -> None:
+    def _prefill(self, chunks: list[tuple[RequestState, int]], finished: dict[int, GenerationResult]) -> int:
+        """One packed pass over up to ``n`` more prompt tokens of each ``(request, n)``; requests
+        whose prompt it completes sample their first tokens and start decoding. Returns the tokens
+        computed."""
         t0 = time.perf_counter()
         ps = self.cache.page_size
-        keys = self._prefix_keys(reqs)
-        # packed (slot) order, as pack() lays the prompts out
+        reqs = [r for r, _ in chunks]
+        new = [r for r in reqs if not r.sequences]  # their first chunk
+        keys = dict(zip(new, self._prefix_keys(new) or [None] * len(new)))
+        # packed (slot) order, as pack() lays the chunks out
         order = sorted(range(len(reqs)), key=lambda i: (reqs[i].request.slot, i))
-        prefix = [0] * len(reqs)  # tokens of each prompt taken from cached pages
+        start = [0] * len(reqs)  # prompt tokens of each request cached before this pass
+        count = [0] * len(reqs)  # and computed in it
         for i in order:
             r = reqs[i]
-            r.sequences = [self._new_sequence(r, j, seed) for j, seed in enumerate(r.request.seeds)]
-            r.prefix_key = keys[i] if keys is not None else None
-            owner = r.sequences[0]
-            prompt = r.request.prompt
-            P = len(prompt)
-            shared: list[int] = []
-            if keys is not None and self._shareable(r.request):
-                # at least the last prompt token is computed: its hidden state gives the first sample
-                shared = [self.cache.share(p) for p in self.prefix.match(keys[i], prompt, (P - 1) // ps)]
-            owner.pages = shared + [self.cache.allocate() for _ in range(math.ceil(P / ps) - len(shared))]
-            owner.cached = P
-            prefix[i] = len(shared) * ps
-            if keys is not None:
+            if r in keys:
+                self._start(r, keys[r])
+            owner, prompt = r.sequences[0], r.request.prompt
+            start[i] = owner.cached
+            count[i] = min(chunks[i][1], len(prompt) - start[i])
+            end = owner.cached = start[i] + count[i]
+            owner.pages += [self.cache.allocate() for _ in range(math.ceil(end / ps) - len(owner.pages))]
+            if r.prefix_key is not None:
                 # later prompts of this pass may read these pages too: every layer writes the
                 # pass's keys and values before any document attends
-                self.prefix.insert(keys[i], prompt, owner.pages, P // ps)
-        batch = pack([reqs[i].request.prompt[prefix[i]:] for i in range(len(reqs))],
+                self.prefix.insert(r.prefix_key, prompt, owner.pages, end // ps)
+        batch = pack([reqs[i].request.prompt[start[i] : start[i] + count[i]] for i in range(len(reqs))],
                      [(r.request.slot, False) for r in reqs], self.device)
         slot_mapping: list[int] = []
         for i in order:
-            owner = reqs[i].sequences[0]
-            slot_mapping += self.cache.slots(owner.pages, prefix[i], owner.cached - prefix[i])
+            slot_mapping += self.cache.slots(reqs[i].sequences[0].pages, start[i], count[i])
         positions = batch.positions
-        if any(prefix):
-            offsets = torch.tensor([prefix[i] for i in order], dtype=torch.long)
-            counts = torch.tensor([batch.lengths[i] for i in order], dtype=torch.long)
+        if any(start):
+            offsets = torch.tensor([start[i] for i in order], dtype=torch.long)
+            counts = torch.tensor([count[i] for i in order], dtype=torch.long)
             positions = positions + torch.repeat_interleave(offsets, counts).to(positions.device)
-            reused = sum(prefix) // ps
-            self.stats.prefix_pages_reused += reused
-            self.stats.prefill_tokens_saved += sum(prefix)
         record = any(r.request.record_routing for r in reqs)
         ctx = ForwardContext(
             positions=positions,
@@ -340,7 +381,7 @@ class SamplingEngine:
                 batch.doc_lengths,
                 positions,
                 relative_backend=getattr(self.model, "attention_backend", None),
-                prefix_lens=[prefix[i] for i in order],
+                prefix_lens=[start[i] for i in order],
                 block_tables=[reqs[i].sequences[0].pages for i in order],
             ),
             lora=self.bank.route(batch.groups),
@@ -355,31 +396,40 @@ class SamplingEngine:
                 self.prefix.clear()
             raise
 
-        # logits of each prompt's last position, rows in packed (slot) order
-        last = [batch.starts[i] + batch.lengths[i] - 1 for i in order]
-        route = self.bank.route(_runs([(reqs[i].request.slot, False) for i in order]))
-        raw = head_logits(hidden[last], self.model.unembed_weight, route, vocab=self.model.vocab_split)
-        row = {i: j for j, i in enumerate(order)}
-
-        for i, r in enumerate(reqs):
-            P = len(r.request.prompt)
-            h = hidden[batch.starts[i] : batch.starts[i] + P]
-            if prefix[i]:  # a shared request asks for no prompt-side output (_shareable)
+        done = [i for i in order if start[i] + count[i] == len(reqs[i].request.prompt)]
+        for i in order:
+            r = reqs[i]
+            if self._shareable(r.request):  # no prompt-side output asked for
                 continue
+            a, b = batch.starts[i], batch.starts[i] + count[i]
+            if r.request.record_routing:
+                r.routing_parts.append(_routing_array(ctx.routing.record, a, b - a))
+                r.outputs["routing_layers"] = tuple(sorted(ctx.routing.record))
+            if i not in done:  # a chunk: keep its hidden states for the prompt's outputs
+                r.hidden.append(hidden[a:b].clone())
+                continue
+            h = torch.cat([*r.hidden, hidden[a:b]]) if r.hidden else hidden[a:b]
+            r.hidden = []
             self._prompt_outputs(r, h)
             if r.request.record_routing:
-                r.prompt_routing = _routing_array(ctx.routing.record, batch.starts[i], P)
-                r.outputs["routing_layers"] = tuple(sorted(ctx.routing.record))
+                r.prompt_routing = np.concatenate(r.routing_parts)
+                r.routing_parts = []
 
-        seqs = [s for i in order for s in reqs[i].sequences]
-        rows = [row[i] for i in order for _ in reqs[i].sequences]
-        self._sample_into(seqs, rows, raw)
+        if done:
+            # logits of each completed prompt's last position, rows in packed (slot) order
+            last = [batch.starts[i] + count[i] - 1 for i in done]
+            route = self.bank.route(_runs([(reqs[i].request.slot, False) for i in done]))
+            raw = head_logits(hidden[last], self.model.unembed_weight, route, vocab=self.model.vocab_split)
+            seqs = [s for i in done for s in reqs[i].sequences]
+            rows = [j for j, i in enumerate(done) for _ in reqs[i].sequences]
+            self._sample_into(seqs, rows, raw)
         self.stats.prefill_passes += 1
         self.stats.prefill_tokens += batch.num_tokens
         self.stats.prefill_seconds += time.perf_counter() - t0
 
-        for i in order:
+        for i in done:
             r = reqs[i]
+            self.scheduler.prefilled(r)
             owner, P = r.sequences[0], len(r.request.prompt)
             for s in r.sequences[1:]:
                 if s.stop_reason is None:
@@ -391,6 +441,21 @@ class SamplingEngine:
                     self.scheduler.running.append(s)
                 else:
                     self._finish(s, finished)
+        return batch.num_tokens
+
+    def _start(self, r: RequestState, key) -> None:
+        """Create the request's samples (its first one holds the prompt's pages while it is
+        prefilled). With prefix sharing (``key``), the prompt starts from the longest run of its
+        whole pages in the prefix index; at least its last token is computed (its hidden state
+        gives the first sample)."""
+        r.sequences = [self._new_sequence(r, j, seed) for j, seed in enumerate(r.request.seeds)]
+        r.prefix_key = key
+        if key is not None and self._shareable(r.request):
+            owner, prompt, ps = r.sequences[0], r.request.prompt, self.cache.page_size
+            owner.pages = [self.cache.share(p) for p in self.prefix.match(key, prompt, (len(prompt) - 1) // ps)]
+            owner.cached = len(owner.pages) * ps
+            self.stats.prefix_pages_reused += len(owner.pages)
+            self.stats.prefill_tokens_saved += owner.cached
 
     @staticmethod
     def _shareable(req: GenerationRequest) -> bool:
@@ -512,7 +577,7 @@ class SamplingEngine:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def _decode(self, finished: dict[int, GenerationResult]) -> None:
+    def _decode(self, finished: dict[int, GenerationResult]) -> int:
         t0 = time.perf_counter()
         ps = self.cache.page_size
         seqs = sorted(self.scheduler.running, key=lambda s: (s.slot, s.id))
@@ -550,6 +615,7 @@ class SamplingEngine:
         self.stats.decode_tokens += len(seqs)
         self.stats.decode_seconds += dt
         self.stats.step_times.append((len(seqs), dt))
+        return len(seqs)
 
     def _run_decoder(self, batch: DecodeBatch):
         if self.static is not None and not batch.record_routing:

@@ -20,6 +20,12 @@ every sequence generates exactly --new tokens):
              -> --new (256) tokens, one adapter, prefix sharing on: a group's prompt is prefilled
              once and its pages shared (the prefix cache is emptied before the timed run)
 * grpo-noshare  the same with prefix sharing off (every request prefills its whole prompt)
+* stall      chunked prefill: workload a's sequences decoding, then one --long-prompt (16384) token
+             prompt arrives; the per-step budget is --step-tokens (2048): the long prompt is
+             prefilled over several steps while the 64 sequences keep decoding. Reports the
+             decode step before it arrived, the longest step while it was prefilled (the running
+             sequences' worst inter-token gap), and its time to first token
+* stall-whole  the same with chunked prefill off: the long prompt is prefilled in one step
 * gap        bf16 rollout/trainer mismatch: |sampler logprob - trainer logprob| of the sampled tokens
              of workload a (the trainer's packed forward, same weights)
 
@@ -36,6 +42,8 @@ line for each workload (the other workloads still run).
     python bench/sample.py --out /tmp/bench            # on the GPU
     python bench/sample.py --shape tiny --new 16       # CPU smoke test
     python bench/sample.py --only grpo,grpo-noshare    # prefix sharing on the GPU
+    python bench/sample.py --only stall,stall-whole    # chunked prefill on the GPU
+    python bench/sample.py --shape tiny --only stall,stall-whole --prompts 4 --long-prompt 200 --step-tokens 32 --new 40
     python bench/sample.py --shape tiny --only grpo,grpo-noshare --grpo-prompts 4 --grpo-samples 2 --grpo-prompt-len 40 --new 8
 """
 
@@ -222,6 +230,55 @@ def run_grpo(model, prompts, samples: int, new: int, rank: int, graphs: bool, st
     return out
 
 
+def run_stall(model, prompts, long_len: int, new: int, step_tokens: int, rank: int, graphs: bool,
+              static: bool | None, chunked: bool, vocab: int) -> dict:
+    """Workload stall / stall-whole (see the module doc)."""
+    bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
+    (slot,) = fill_adapters(bank, 1, rank)
+    plen, page = len(prompts[0]), 16
+    n = len(prompts)
+    config = SamplerConfig(max_seqs=n + 1, page_size=page, kv_tokens=n * (plen + new + page) + long_len + 4 * page,
+                           max_prefill_tokens=step_tokens, cuda_graphs=graphs, static_decode=static,
+                           chunked_prefill=chunked, prefix_sharing=False)
+    engine = SamplingEngine(model, bank, config, max_seq_len=long_len + new + page)
+    long_prompt = make_prompts(vocab, 1, long_len, seed=3)[0]
+
+    def once(engine) -> dict:
+        for i, p in enumerate(prompts):
+            engine.submit(GenerationRequest(p, new, [1000 + i], slot=slot, temperature=1.0, stop=StopRule()))
+        while len(engine.scheduler.running) < n or engine.scheduler.prefilling:  # all decoding
+            engine.step()
+        for _ in range(8):
+            engine.step()
+        before = [r.seconds for r in list(engine.stats.steps)[-8:]]
+        sync()
+        mark = len(engine.stats.steps)
+        t0 = time.perf_counter()
+        handle = engine.submit(GenerationRequest(long_prompt, 1, [7], slot=slot, temperature=1.0, stop=StopRule()))
+        done: dict = {}
+        while handle not in done:
+            done.update(engine.step())
+        ttft = time.perf_counter() - t0
+        first = done[handle].sequences[0]
+        during = list(engine.stats.steps)[mark:]
+        while not engine.idle:
+            engine.step()
+        return {"decode_step_before_s": statistics.median(before),
+                "longest_step_while_prefilling_s": max(r.seconds for r in during),
+                "steps_to_prefill": len(during), "long_prompt_ttft_s": ttft,
+                "decode_tokens_per_step_while_prefilling": min(r.decode_tokens for r in during),
+                # the long prompt's sampled token and its logprob (chunked and whole should agree)
+                "long_token": int(first.tokens[0]), "long_logprob": float(first.logprobs[0])}
+
+    once(engine)  # warm-up: kernels, graphs
+    sync()
+    out = once(engine)
+    out.update(long_prompt=long_len, step_tokens=step_tokens, chunked=engine.scheduler.chunked, running=n)
+    del engine, bank
+    gc.collect()
+    return out
+
+
 @torch.no_grad()
 def trainer_logprobs(model, bank: AdapterBank, slot: int, tokens: np.ndarray) -> np.ndarray:
     """Logprobs of ``tokens[1:]`` from the trainer's packed forward (as ``Worker.forward_backward``)."""
@@ -334,8 +391,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--only", default="a,a-32slots,b,b-1,hf,gap",
-        help="comma list of workloads (also: a-par, grpo, grpo-noshare)",
+        help="comma list of workloads (also: a-par, grpo, grpo-noshare, stall, stall-whole)",
     )
+    ap.add_argument("--long-prompt", type=int, default=16384, help="stall: the long prompt's tokens")
+    ap.add_argument("--step-tokens", type=int, default=2048, help="stall: max_prefill_tokens, the per-step budget")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
@@ -371,6 +430,10 @@ def main() -> None:
         "grpo-noshare": lambda: run_grpo(
             model, grpo_prompts, args.grpo_samples, args.new, args.rank, graphs, static, False
         ),
+        "stall": lambda: run_stall(model, prompts, args.long_prompt, args.new, args.step_tokens, args.rank, graphs,
+                                   static, True, vocab),
+        "stall-whole": lambda: run_stall(model, prompts, args.long_prompt, args.new, args.step_tokens, args.rank,
+                                         graphs, static, False, vocab),
     }
     results: dict[str, dict] = {}
     hf_skip = hf_baseline_unavailable(hf_cfg)
@@ -390,12 +453,21 @@ def main() -> None:
         if "error" in r:
             print(f"{name:10s} error: {r['error']}", flush=True)
         else:
-            line = f"{name:10s} {r['tokens_per_s']:9.0f} tok/s  ({r['tokens']} tokens in {r['wall_s']:.2f}s)"
+            line = f"{name:10s}"
+            if "tokens_per_s" in r:
+                line += f" {r['tokens_per_s']:9.0f} tok/s  ({r['tokens']} tokens in {r['wall_s']:.2f}s)"
             if "decode_step_s" in r:
                 line += (
                     f"  decode step {1e3 * r['decode_step_s']:.2f} ms vs floor {1e3 * r['floor_step_s']:.2f} ms"
                     f" ({r['step_vs_floor']:.2f}x)  ttft {r['ttft_s']:.2f}s  ttft cold {r['ttft_cold_s']:.2f}s"
                     f"  graphs={r['cuda_graphs']}"
+                )
+            if "longest_step_while_prefilling_s" in r:
+                line += (
+                    f"  decode step {1e3 * r['decode_step_before_s']:.2f} ms before the long prompt, longest step "
+                    f"{1e3 * r['longest_step_while_prefilling_s']:.1f} ms while it was prefilled over "
+                    f"{r['steps_to_prefill']} steps, its TTFT {r['long_prompt_ttft_s']:.3f}s; it sampled "
+                    f"{r['long_token']} (logprob {r['long_logprob']:.4f})"
                 )
             if "prefix_pages_reused" in r:
                 line += (
@@ -433,7 +505,7 @@ def main() -> None:
     print("\n| workload | tokens/s | decode step (ms) | floor (ms) | step/floor | TTFT (s) | TTFT cold (s) |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        if name == "gap":
+        if name == "gap" or "longest_step_while_prefilling_s" in r:  # printed above
             continue
         if "error" in r:
             print(f"| {name} | error: {r['error'][:80]} |")

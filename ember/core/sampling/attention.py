@@ -27,6 +27,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ember.core.config import AttentionSpec
 from ember.core.kernels import fused
@@ -455,7 +456,10 @@ class PrefillAttention:
     def _continued(self, layer: int, q, k, v, spec: AttentionSpec, scale: float) -> torch.Tensor:
         """Attention of a pass in which some documents continue a cached prefix: those read every
         key of theirs from the pages (the prefix's and, written just before, their own), masked
-        causally (and by the window) at their true positions; the others run the packed call."""
+        causally (and by the window) at their true positions; the others run the packed call.
+        Without a window the mask is causal aligned to the last key (``causal_lower_right``), which
+        SDPA runs in its flash or memory-efficient kernel on CUDA instead of materialising it: a
+        long prompt's later chunks attend over all of its cached keys."""
         T, Hq, _ = q.shape
         out = q.new_empty(T, Hq, v.shape[-1])
         if self.packed is not None:
@@ -469,12 +473,9 @@ class PrefillAttention:
         for prefix, n, starts, docs in self._groups:
             L = prefix + n
             width = -(-L // ps)
-            q_pos = torch.arange(prefix, L, device=q.device)
-            k_pos = torch.arange(L, device=q.device)
-            d = q_pos[:, None] - k_pos[None, :]
-            mask = d >= 0
             if window:
-                mask &= d < window
+                d = torch.arange(prefix, L, device=q.device)[:, None] - torch.arange(L, device=q.device)[None, :]
+                mask = (d >= 0) & (d < window)
             rows = torch.stack([torch.arange(s, s + n) for s in starts]).to(q.device)  # [B, n]
             tables = torch.tensor([self.block_tables[i][:width] for i in docs], dtype=torch.long, device=q.device)
             per_doc = max(1, self.CONTINUED_ELEMENTS // max(1, Hq * n * L))
@@ -488,10 +489,17 @@ class PrefillAttention:
                     vv = vv.repeat_interleave(rep, dim=1)
                 r = rows[b0 : b0 + per_doc]
                 qq = q[r].transpose(1, 2)  # [B, Hq, n, D]
-                step = max(1, self.CONTINUED_ELEMENTS // max(1, B * Hq * L))
+                # rows at a time, so that a materialised mask and scores stay bounded (CUDA's
+                # kernels materialise neither without a window)
+                step = n if q.is_cuda and not window else max(1, self.CONTINUED_ELEMENTS // max(1, B * Hq * L))
                 for c0 in range(0, n, step):
                     c1 = min(n, c0 + step)
-                    o = F.scaled_dot_product_attention(qq[:, :, c0:c1], kk, vv, attn_mask=mask[c0:c1], scale=scale)
+                    if window:
+                        o = F.scaled_dot_product_attention(qq[:, :, c0:c1], kk, vv, attn_mask=mask[c0:c1], scale=scale)
+                    else:  # rows c0..c1 see the keys up to their own position prefix + c1 - 1
+                        hi = prefix + c1
+                        o = F.scaled_dot_product_attention(qq[:, :, c0:c1], kk[:, :, :hi], vv[:, :, :hi],
+                                                           attn_mask=causal_lower_right(c1 - c0, hi), scale=scale)
                     out[r[:, c0:c1].reshape(-1)] = o.transpose(1, 2).reshape(B * (c1 - c0), Hq, -1)
         return out
 

@@ -179,6 +179,8 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.api_only:
             _check_layout(models, args.nproc, args.ep, args.tp, args.expert_fsdp)
             _check_full_finetune(args)
+            if args.max_prefill_tokens < 1:
+                raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
     except (ValueError, json.JSONDecodeError) as e:
         print(f"ember serve: {e}", file=sys.stderr)
         return 2
@@ -198,6 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
         nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
         activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision,
+        max_prefill_tokens=args.max_prefill_tokens,
         ray=args.ray, full_finetune=args.full_finetune, optimizer_offload=args.optimizer_offload,
         optimizer_device_gib=args.optimizer_device_gib,
     )
@@ -335,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                        "today: its activation quantisation is unfused; else quantise-dequantise) or "
                        "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
                        "the model dtype and training keeps the model's weights (default bf16)")
+    serve.add_argument("--max-prefill-tokens", type=int, default=16384, metavar="N", help="tokens per sampling step: one decode token per running sequence, the rest for prompts; a longer prompt is prefilled in chunks over several steps while the running sequences keep decoding (dense, MoE, MLA and Gated DeltaNet families; qwen4_exp and Inkling2 prefill whole prompts). Smaller: shorter stalls of the running decodes, a later first token for long prompts (default 16384)")
     serve.add_argument("--full-finetune", action="store_true",
                        help="let clients fully fine-tune the served models: create_lora_training_client(base_model, "
                        "rank=0) trains every weight of its own copy of the model (Ember's extension of the Tinker "

@@ -723,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the sampler's copy of the base projections and routed experts: bf16 (the model's own "
                     "weights), fp8 (e4m3, 128x128 block scales) or mxfp8 (OCP MX, 32-element E8M0 blocks); "
                     "training keeps the model's weights (ember.core.rollout_precision)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=16384, metavar="N",
+                    help="tokens per sampling step: one per running sequence, the rest for prompts (longer ones "
+                    "prefilled in chunks over several steps; SamplerConfig.max_prefill_tokens)")
     ap.add_argument("--full-finetune", action="store_true",
                     help="let clients fully fine-tune this model (create a training client with rank 0); one process only")
     ap.add_argument("--optimizer-offload", default="none", metavar="none|host|disk:DIR",
@@ -744,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--full-finetune runs on one process: not with --nproc > 1 or --ray")
     if not (args.optimizer_offload in ("none", "host") or args.optimizer_offload.startswith("disk:")):
         ap.error(f"--optimizer-offload must be none, host or disk:DIR, got {args.optimizer_offload!r}")
+    if args.max_prefill_tokens < 1:
+        ap.error(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
     if args.optimizer_device_gib < 0:
         ap.error(f"--optimizer-device-gib must be >= 0, got {args.optimizer_device_gib}")
     if args.expert_fsdp and args.nproc // args.ep < 2:
@@ -754,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, dtype_name)
     kwargs = dict(max_adapters=args.max_adapters, max_rank=args.max_rank, full_finetune=args.full_finetune,
                   optimizer_offload=args.optimizer_offload, optimizer_device_bytes=int(args.optimizer_device_gib * 2**30),
-                  activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision)
+                  activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision,
+                  max_prefill_tokens=args.max_prefill_tokens)
     if args.nproc > 1 and not args.ray:
         from ember.engine import ranks
 

@@ -104,6 +104,7 @@ class Worker:
         full_finetune: bool = False,
         optimizer_offload: str = "none",
         optimizer_device_bytes: int = 0,
+        max_prefill_tokens: int | None = None,
     ):
         if activation_checkpointing not in MODES:
             raise ValueError(f"activation_checkpointing must be one of {MODES}, got {activation_checkpointing!r}")
@@ -116,6 +117,8 @@ class Worker:
         if rollout_precision is not None:  # overrides sampler_config's (ember.core.rollout_precision)
             check_precision(rollout_precision)
             sampler_config = replace(sampler_config or SamplerConfig(), rollout_precision=rollout_precision)
+        if max_prefill_tokens is not None:  # overrides sampler_config's (tokens per sampling step)
+            sampler_config = replace(sampler_config or SamplerConfig(), max_prefill_tokens=max_prefill_tokens)
         self.sampler_config = sampler_config
         self._sampler: SamplingEngine | None = None
         self.activation_checkpointing = activation_checkpointing

@@ -44,6 +44,7 @@ class EngineOptions:
     expert_fsdp: bool = False  # experts sharded over the ranks that hold the same ones (ember.dist.fsdp)
     activation_checkpointing: str = "auto"  # auto | on | off (ember.core.checkpointing)
     rollout_precision: str = "bf16"  # bf16 | fp8 | mxfp8: the sampler's base weights (ember.core.rollout_precision)
+    max_prefill_tokens: int = 16384  # tokens per sampling step (decodes first; prompts chunked beyond it)
     full_finetune: bool = False  # clients may fully fine-tune (rank 0; ember.engine.full_runs)
     optimizer_offload: str = "none"  # none | host | disk:DIR: full fine-tuning's optimizer state
     optimizer_device_gib: float = 0.0  # ... of which this much stays on the GPU anyway (host, disk)
@@ -75,6 +76,7 @@ class EngineSupervisor:
             "--parent-pid", str(os.getpid()), "--stability-memory-mb", str(o.stability_memory_mb),
             "--stability-disk-mb", str(o.stability_disk_mb), "--stability-ttl", str(o.stability_ttl_s),
             "--activation-checkpointing", o.activation_checkpointing, "--rollout-precision", o.rollout_precision,
+            "--max-prefill-tokens", str(o.max_prefill_tokens),
         ]
         if o.dtype:
             cmd += ["--dtype", o.dtype]

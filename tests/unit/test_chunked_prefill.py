@@ -195,3 +195,21 @@ def test_unsupported_families_prefill_whole_prompts(family, tmp_path_factory):
     assert max(s.prefill_tokens for s in steps) >= 30 > BUDGET  # the 30-token prompt, whole
     _no_leak(small)
     _no_leak(whole)
+
+
+def test_the_step_budget_flag_reaches_the_sampler(capsys, tmp_path):
+    """``ember serve --max-prefill-tokens N``: the engine command carries it, the worker's sampler
+    uses it as its step budget, and a budget below one token is refused at start."""
+    from types import SimpleNamespace
+
+    from ember.cli import main
+    from ember.server.supervisor import EngineOptions, EngineSupervisor
+
+    models = {"m": SimpleNamespace(path="/x")}
+    cmd = EngineSupervisor(None, models, EngineOptions("sqlite://", "/s", max_prefill_tokens=512)).command("m")
+    assert cmd[cmd.index("--max-prefill-tokens") + 1] == "512"
+    _build("qwen3").save_pretrained(str(tmp_path / "m"))
+    worker = Worker.from_pretrained(tmp_path / "m", "cpu", torch.float32, sampler_config=CHUNKED, max_prefill_tokens=24)
+    assert worker.sampler_config == dataclasses.replace(CHUNKED, max_prefill_tokens=24)
+    assert main(["serve", "--home", str(tmp_path / "home"), "--max-prefill-tokens", "0"]) == 2
+    assert "--max-prefill-tokens must be at least 1, got 0" in capsys.readouterr().err

@@ -10,11 +10,12 @@ A checkpoint folder (written atomically, :func:`~ember.core.checkpoint.atomic_di
 
 :func:`export_hf` writes a folder ``transformers`` loads: the base model folder's config,
 tokenizer and other files, and every tensor of the base checkpoint in the base checkpoint's own
-key layout, with the run's value where it trains the parameter the key fills
-(:func:`checkpoint_target`: per-expert keys, ``model.language_model.`` prefixes and families'
-``map_checkpoint_key`` renames, inverted) and the base tensor copied as it is everywhere else
-(what the trainer never held: qwen4_exp's n-gram table, MTP layers, vision towers). A quantized
-base tensor whose parameter was trained is written in the model's dtype, without its scales.
+key layout, with the run's value where it trains the parameter the key fills (written back through
+the inverses of :func:`~ember.core.loading.checkpoint_layout`, the same key resolution
+:func:`~ember.core.loading.load_model` reads by) and the base tensor copied byte for byte everywhere
+else (what the trainer never held: qwen4_exp's n-gram table and QSA indexer, MTP layers, vision
+towers). A quantized base stays in its format (trained weights re-quantized) unless the export is
+asked to dequantize (:func:`export_hf`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from ember.core import quant
 from ember.core.checkpoint import FULL_FORMAT as FORMAT
 from ember.core.checkpoint import atomic_dir, checkpoint_format
-from ember.core.loading import _EXPERT_KEY, _TEXT_PREFIX, CheckpointReader, checkpoint_files
+from ember.core.loading import CheckpointReader, checkpoint_files, checkpoint_layout
 
 VERSION = 1
 SHARD_BYTES = 4 << 30
@@ -125,83 +126,159 @@ def load_full(model: torch.nn.Module, path: str | Path, names: list[str], with_o
 
 # -- export -----------------------------------------------------------------------------------------
 
-def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`~ember.core.models.inkling2.deinterleave_gate_up`."""
-    inter = gate_up.shape[1] // 2
-    out = torch.empty_like(gate_up)
-    out[:, 0::2], out[:, 1::2] = gate_up[:, :inter], gate_up[:, inter:]
+QUANTIZED_MODES = ("base", "dequantize")
+
+
+def _fp8_tile(shape: torch.Size, tiles: torch.Size) -> int:
+    """The square power-of-two tile ``b`` of FP8 block scales ``tiles`` over a weight ``shape``
+    (``ceil(n / b) == tiles`` in both dims; a dim of one tile only bounds ``b`` from below)."""
+    forced, least = set(), 1
+    for n, t in zip(shape[-2:], tiles[-2:]):
+        if t == 1:
+            least = max(least, 1 << max(0, (n - 1).bit_length()))
+            continue
+        b = 1
+        while -(-n // b) > t:
+            b *= 2
+        if -(-n // b) != t:
+            raise ValueError(f"FP8 block scales {tuple(tiles)} fit no power-of-two tile of a {tuple(shape)} weight")
+        forced.add(b)
+    if len(forced) > 1 or (forced and min(forced) < least):
+        raise ValueError(f"FP8 block scales {tuple(tiles)} of a {tuple(shape)} weight are not square tiles")
+    return forced.pop() if forced else least
+
+
+def requantize(value: torch.Tensor, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``value`` in the quantized format of a base weight: ``stored`` is ``{"": the stored weight,
+    suffix: its scale companion}`` (:mod:`ember.core.quant`), the result has the same keys, dtypes
+    and shapes, with new scales computed from ``value`` by the format's recipe (FP8 tiles of the
+    base's tile size). For a base quantized by the same recipe, a value equal to its dequantized
+    weight gives back its bytes (:func:`export_hf` copies an unchanged weight's bytes in any case)."""
+    value = value.detach().float()
+    if "_scale_inv" in stored:
+        q, s = quant.quantize_fp8_block(value, _fp8_tile(stored[""].shape, stored["_scale_inv"].shape))
+        out = {"": q, "_scale_inv": s}
+    elif "_scale_2" in stored:
+        p, s, g = quant.quantize_nvfp4(value)
+        out = {"": p, "_scale": s, "_scale_2": g}
+    else:
+        q, s = quant.quantize_mxfp8(value)
+        out = {"": q, "_scale": s}
+    if set(out) != set(stored):
+        raise ValueError(f"unknown quantized layout with companions {sorted(stored)}")
+    for sfx, t in out.items():
+        base = stored[sfx]
+        if t.dtype != base.dtype and t.element_size() == base.element_size():
+            t = t.view(base.dtype)  # e.g. FP8 bytes stored as uint8
+        if t.dtype != base.dtype or t.numel() != base.numel():
+            raise ValueError(f"re-quantized {sfx or 'weight'} is {t.dtype} {tuple(t.shape)}, the base stores "
+                             f"{base.dtype} {tuple(base.shape)}")
+        out[sfx] = t.reshape(base.shape)
     return out
 
 
-def _inverse(convert: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    if convert is None:
-        return lambda t: t
-    if convert.__name__ == "deinterleave_gate_up":
-        return interleave_gate_up
-    raise NotImplementedError(f"no inverse for the checkpoint conversion {convert.__name__}")
-
-
-def checkpoint_target(model: torch.nn.Module, key: str,
-                      params: dict[str, torch.Tensor]) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """The parameter a base checkpoint ``key`` fills and how to get the key's tensor back from it
-    (``None``: the model holds nothing of it). Mirrors :func:`~ember.core.loading.load_model`'s
-    reading of keys."""
-    remap = getattr(model, "map_checkpoint_key", None)
-    if remap is not None:
-        mapped = remap(key)
-        if mapped is None or mapped[0] not in params:
-            return None
-        return mapped[0], _inverse(mapped[1])
-    if key.startswith(_TEXT_PREFIX):
-        key = "model." + key[len(_TEXT_PREFIX) :]
-    m = _EXPERT_KEY.match(key)
-    if m:
-        name, e = f"{m['prefix']}.gate_up_proj", int(m["e"])
-        if name not in params:
-            return None
-        if m["proj"] == "down_proj":
-            return f"{m['prefix']}.down_proj", lambda t: t[e]
-        inter = params[name].shape[1] // 2
-        part = slice(0, inter) if m["proj"] == "gate_proj" else slice(inter, 2 * inter)
-        return name, lambda t: t[e, part]
-    if key in params:
-        return key, lambda t: t
-    return None
+def _drop_quantization_config(path: Path) -> None:
+    """Remove ``quantization_config`` (also a nested ``text_config``'s) from a ``config.json``."""
+    config = json.loads(path.read_text())
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if "quantization_config" in config or "quantization_config" in text:
+        config.pop("quantization_config", None)
+        text.pop("quantization_config", None)
+        path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def export_hf(model: torch.nn.Module, names: list[str], base_dir: str | Path, out_dir: str | Path,
               shard_bytes: int = SHARD_BYTES, overwrite: bool = False,
-              progress: Callable[[str], None] | None = None) -> Path:
-    """A whole Hugging Face model folder of ``model`` with its trained ``names`` (module doc)."""
+              progress: Callable[[str], None] | None = None, quantized: str = "base") -> Path:
+    """A whole Hugging Face model folder of ``model`` with its trained ``names``.
+
+    The folder holds the base folder's files (config, tokenizer, …) and every tensor key of the
+    base checkpoint, in the base's own key layout, read through
+    :func:`~ember.core.loading.checkpoint_layout`: a key whose parameter is trained gets the run's
+    value, mapped back by the layout's inverse (per-expert slices of fused experts, row shards,
+    ``model.language_model.`` prefixes, families' ``map_checkpoint_key`` renames and conversions
+    such as inkling2's interleaved ``w13``), in the base tensor's dtype (the model's if the base
+    stores a non-float or 1-byte dtype); every other key (frozen parameters, MTP layers, vision
+    towers, qwen4_exp's n-gram table and QSA indexer) is copied byte for byte.
+
+    Quantized bases (MXFP8, NVFP4, FP8 tiles: :mod:`ember.core.quant`), by ``quantized``:
+
+    * ``"base"`` (default): the base's format. A trained weight is re-quantized by its format's
+      recipe (:func:`requantize`: same dtypes and shapes, new scales; the trained values are only
+      kept to the format's precision), an untrained or unchanged one is copied with its scales byte
+      for byte, and ``config.json`` is the base's.
+    * ``"dequantize"``: every quantized weight of the base is written dequantized, in the model's
+      dtype, without scale companions, and ``config.json`` loses its ``quantization_config``.
+    """
+    if quantized not in QUANTIZED_MODES:
+        raise ValueError(f"quantized must be one of {QUANTIZED_MODES}, not {quantized!r}")
     base_dir = Path(base_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     trained = set(names)
-    if getattr(model.config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in trained:
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied and "model.embed_tokens.weight" in trained:
         trained.add("lm_head.weight")
     reader = CheckpointReader(base_dir)
+    layout = checkpoint_layout(model, reader)
+    unplaced = sorted(trained - set(layout) - ({"lm_head.weight"} if tied else set()))
+    if unplaced:
+        raise ValueError(f"the base checkpoint {base_dir} holds no tensor for {len(unplaced)} trained "
+                         f"parameters, e.g. {unplaced[:3]}: is it the model the run trained?")
+    source = {piece.key: (place.param, piece) for place in layout.values() for piece in place.pieces}
     weights = {p.name for p in checkpoint_files(base_dir)} | {"model.safetensors.index.json"}
     dtype = next(iter(params.values())).dtype
+    dequantize = quantized == "dequantize"
+
+    def trained_value(key: str, base: torch.Tensor) -> torch.Tensor:
+        name, piece = source[key]
+        t = piece.from_param(params[name].detach())
+        if tuple(t.shape) != tuple(base.shape) and not reader.is_quantized(key):
+            raise ValueError(f"{name} gives {key} the shape {tuple(t.shape)}, the base stores {tuple(base.shape)}")
+        return t
 
     def tensors():
-        for key in reader._where:
-            main = next((key[: -len(s)] for s in quant.SCALE_SUFFIXES if key.endswith(s) and key[: -len(s)] in
-                         reader._where), None)
-            target = checkpoint_target(model, main or key, params)
-            if target is not None and target[0] in trained:
-                if main is not None:
-                    continue  # the scale of a quantized weight written in the model's dtype
-                name, get = target
-                base_dtype = reader._raw(key).dtype
-                keep = base_dtype if base_dtype.is_floating_point and base_dtype.itemsize >= 2 else dtype
-                yield key, (lambda get=get, name=name, keep=keep: get(params[name].detach()).to(keep))
+        for key in reader.names():
+            scales = reader.scale_keys(key)
+            is_trained = key in source and source[key][0] in trained
+            if not scales:
+                if is_trained:
+                    def make(key=key):
+                        base = reader.raw(key)
+                        keep = base.dtype if base.dtype.is_floating_point and base.element_size() >= 2 else dtype
+                        return trained_value(key, base).to(keep)
+                    yield key, make
+                else:
+                    yield key, (lambda key=key: reader.raw(key))
+            elif dequantize:
+                if is_trained:
+                    yield key, (lambda key=key: trained_value(key, reader.raw(key)).to(dtype))
+                else:
+                    yield key, (lambda key=key: reader.get(key).to(dtype))
+            elif is_trained:
+                done: dict[str, torch.Tensor] = {}
+
+                def make(sfx: str, key=key, scales=scales, done=done) -> torch.Tensor:
+                    if not done:  # the weight and its scales, quantized together
+                        stored = {"": reader.raw(key)} | {s: reader.raw(k) for s, k in scales.items()}
+                        value = trained_value(key, stored[""])
+                        same = torch.equal(value.float(), reader.get(key))  # unchanged: the base's bytes
+                        done.update(stored if same else requantize(value, stored))
+                    return done.pop(sfx)
+                yield key, (lambda make=make: make(""))
+                for sfx, k in scales.items():
+                    yield k, (lambda make=make, sfx=sfx: make(sfx))
             else:
-                yield key, (lambda key=key: reader._raw(key))
+                yield key, (lambda key=key: reader.raw(key))
+                for k in scales.values():
+                    yield k, (lambda k=k: reader.raw(k))
 
     with atomic_dir(out_dir, overwrite) as tmp:
         for f in sorted(base_dir.iterdir()):
             if f.is_file() and f.name not in weights:
                 shutil.copy2(f, tmp / f.name)
+        if dequantize and (tmp / "config.json").is_file():
+            _drop_quantization_config(tmp / "config.json")
         if progress is not None:
-            progress(f"writing {len(reader._where)} tensors to {out_dir}")
+            progress(f"writing {len(reader.names())} tensors to {out_dir}")
         _shards(tensors(), tmp, "model", shard_bytes)
     return Path(out_dir)

@@ -3,6 +3,9 @@
 Checkpoint names map onto our modules by name. Per-expert MoE weights
 (``mlp.experts.{e}.gate_proj.weight`` …) are stacked into the fused ``gate_up_proj`` / ``down_proj``
 parameters as transformers 5 does in memory; checkpoints already in the fused layout load as they are.
+:func:`checkpoint_layout` is the one resolution of checkpoint keys to parameters (with each piece's
+conversion and its inverse): :func:`load_model` reads through it and the whole-model export
+(:func:`ember.core.full_checkpoint.export_hf`) writes back through it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import re
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +24,7 @@ from ember.core import quant
 from ember.core.config import ModelConfig, load_config
 from ember.core.layers.norms import RMSNorm
 from ember.core.models import CausalLM, model_class
+from ember.core.models.inkling2 import deinterleave_gate_up
 
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # a table saved in row shards (``….shard_{i}.weight``: Qwen3.8-Flash-Next's n-gram memory), loaded whole
@@ -45,8 +50,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 class CheckpointReader:
     """The tensors of a model folder by key, across shards. Quantized weights (MXFP8, NVFP4, FP8
     tiles: a ``X.weight`` with ``X.weight_scale`` / ``X.weight_scale_inv`` companions, see
-    :mod:`ember.core.quant`) read as their
-    dequantized fp32 values, and their scale tensors are not listed as keys."""
+    :mod:`ember.core.quant`) read as their dequantized fp32 values through :meth:`get`, and their
+    scale tensors are not listed by :meth:`names`; :meth:`raw` and :meth:`scale_keys` give the
+    stored bytes and the companions' keys (what a re-export copies)."""
 
     def __init__(self, model_dir: str | Path):
         self._where: dict[str, Path] = {}
@@ -62,14 +68,28 @@ class CheckpointReader:
             self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
         return self._handles[path]
 
-    def _raw(self, key: str) -> torch.Tensor:
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def raw(self, key: str) -> torch.Tensor:
+        """The tensor stored under ``key`` exactly as stored (quantized bytes stay quantized; any key,
+        scale companions included)."""
         return self._handle(key).get_tensor(key)
 
+    def scale_keys(self, key: str) -> dict[str, str]:
+        """``{suffix: stored key}`` of the scale companions of the weight ``key`` (``_scale``,
+        ``_scale_2``, ``_scale_inv``); empty unless it is stored quantized."""
+        return {sfx: key + sfx for sfx in quant.SCALE_SUFFIXES if key + sfx in self._where}
+
+    def is_quantized(self, key: str) -> bool:
+        """Whether the weight ``key`` is stored quantized (it has scale companions)."""
+        return bool(self.scale_keys(key))
+
     def _companions(self, key: str) -> dict[str, torch.Tensor]:
-        return {sfx: self._raw(key + sfx) for sfx in quant.SCALE_SUFFIXES if key + sfx in self._where}
+        return {sfx: self.raw(k) for sfx, k in self.scale_keys(key).items()}
 
     def names(self) -> list[str]:
-        """Every weight key (scale companions of quantized weights excluded)."""
+        """Every weight key (scale companions of quantized weights excluded), in file order."""
         return [k for k in self._where if not self._is_companion(k)]
 
     def _is_companion(self, key: str) -> bool:
@@ -83,7 +103,7 @@ class CheckpointReader:
         if rows is not None and not companions:
             start, n = rows
             return self._handle(key).get_slice(key)[start : start + n]
-        t = self._raw(key)
+        t = self.raw(key)
         t = quant.dequantize(t, companions) if companions else t
         return t if rows is None else t.narrow(0, *rows)
 
@@ -92,6 +112,127 @@ class CheckpointReader:
         if self._companions(key):
             return self.get(key).shape[0]
         return self._handle(key).get_slice(key).get_shape()[0]
+
+
+# -- checkpoint layout: which checkpoint keys fill each parameter, and how ---------------------------
+
+WHOLE, EXPERTS, ROWS = "whole", "experts", "rows"
+
+
+def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`~ember.core.models.inkling2.deinterleave_gate_up`: ``[gate; up]``
+    along dim 1 back to the released ``[g0, u0, g1, u1, …]``."""
+    inter = gate_up.shape[1] // 2
+    out = torch.empty_like(gate_up)
+    out[:, 0::2], out[:, 1::2] = gate_up[:, :inter], gate_up[:, inter:]
+    return out
+
+
+# the inverse of each conversion a family's ``map_checkpoint_key`` may return (a conversion may also
+# carry its own as an ``inverse`` attribute)
+_INVERSES: dict[Callable, Callable] = {deinterleave_gate_up: interleave_gate_up}
+
+
+def _inverse(convert: Callable | None) -> Callable | None:
+    if convert is None:
+        return None
+    return getattr(convert, "inverse", None) or _INVERSES.get(convert)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor's share of a parameter: the stored ``key``, the ``index`` of the
+    (whole, unsplit) parameter it fills (ints and slices; ``()``: all of it), and the conversion
+    from the stored layout to the parameter's (``to_param``, ``None``: as stored) with its inverse
+    (``to_checkpoint``; ``None`` for a conversion without a known inverse)."""
+
+    key: str
+    index: tuple = ()
+    to_param: Callable[[torch.Tensor], torch.Tensor] | None = None
+    to_checkpoint: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def from_checkpoint(self, stored: torch.Tensor) -> torch.Tensor:
+        """The stored tensor in the parameter's layout (what goes at ``index``)."""
+        return stored if self.to_param is None else self.to_param(stored)
+
+    def from_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The inverse: this key's tensor, in the checkpoint's layout, cut from the whole parameter."""
+        t = param[self.index] if self.index else param
+        if self.to_param is None:
+            return t
+        if self.to_checkpoint is None:
+            raise NotImplementedError(f"{self.key}: no inverse for the checkpoint conversion "
+                                      f"{getattr(self.to_param, '__name__', self.to_param)!r}")
+        return self.to_checkpoint(t)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a parameter's values are in a checkpoint: ``kind`` ``"whole"`` (one key, or several
+    that each fill all of it, the last read winning), ``"experts"`` (one key per expert and
+    projection, ``index = (expert, rows)`` / ``(expert,)``) or ``"rows"`` (a table saved in row
+    shards, ``index = (slice of rows,)``)."""
+
+    param: str
+    kind: str
+    pieces: tuple[Piece, ...]
+
+
+def checkpoint_layout(model: torch.nn.Module, reader: CheckpointReader) -> dict[str, Placement]:
+    """``{parameter name: Placement}`` for every parameter of ``model`` that ``reader``'s checkpoint
+    holds (keys the model has no parameter for, e.g. MTP layers or vision towers, are in none);
+    indices refer to the whole parameter, before any split across processes (``param_blocks``:
+    :func:`load_model` narrows them). The one reading of checkpoint keys: :func:`load_model` reads
+    through it, :func:`~ember.core.full_checkpoint.export_hf` writes back through its inverses.
+
+    Key resolution: a family with ``map_checkpoint_key(key) -> (parameter, convert or None) |
+    None`` maps every key itself; otherwise a ``model.language_model.`` prefix reads as ``model.``,
+    ``….shard_{i}.weight`` keys are row shards of ``….weight`` (in shard order), per-expert
+    ``….experts.{e}.{gate,up,down}_proj.weight`` keys are rows of the fused ``gate_up_proj`` ``[E,
+    2I, H]`` (gate first) and ``down_proj`` ``[E, H, I]``, and any other key names its parameter."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    pieces: dict[str, list[Piece]] = defaultdict(list)
+    kinds: dict[str, str] = {}
+    shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
+
+    def add(name: str, kind: str, piece: Piece) -> None:
+        kinds.setdefault(name, kind)
+        pieces[name].append(piece)
+
+    remap = getattr(model, "map_checkpoint_key", None)
+    for stored in reader.names():
+        if remap is not None:
+            mapped = remap(stored)
+            if mapped is not None and mapped[0] in params:
+                name, convert = mapped
+                add(name, WHOLE, Piece(stored, (), convert, _inverse(convert)))
+            continue
+        key = "model." + stored[len(_TEXT_PREFIX) :] if stored.startswith(_TEXT_PREFIX) else stored
+        shard = _SHARD_KEY.match(key)
+        if shard and f"{shard['param']}.weight" in params:
+            shards[f"{shard['param']}.weight"].append((int(shard["i"]), stored))
+            continue
+        m = _EXPERT_KEY.match(key)
+        if m:
+            # experts of layers the model does not build (e.g. MTP layers) are in no placement
+            gate_up, down, e = f"{m['prefix']}.gate_up_proj", f"{m['prefix']}.down_proj", int(m["e"])
+            if gate_up in params and down in params:
+                if m["proj"] == "down_proj":
+                    add(down, EXPERTS, Piece(stored, (e,)))
+                else:
+                    inter = params[gate_up].shape[1] // 2
+                    rows = slice(0, inter) if m["proj"] == "gate_proj" else slice(inter, 2 * inter)
+                    add(gate_up, EXPERTS, Piece(stored, (e, rows)))
+            continue
+        if key in params:
+            add(key, WHOLE, Piece(stored))
+    for name, parts in shards.items():
+        row = 0
+        for _, stored in sorted(parts):
+            n = reader.rows(stored)
+            add(name, ROWS, Piece(stored, (slice(row, row + n),)))
+            row += n
+    return {name: Placement(name, kinds[name], tuple(p)) for name, p in pieces.items()}
 
 
 def _fill(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -193,75 +334,61 @@ def load_model(
     def read(name: str, stored: str) -> torch.Tensor:
         rows = row_block(name)
         return reader.get(stored, rows) if rows is not None else block(name, reader.get(stored))
-    filled: set[str] = set()
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
-    # a family whose checkpoints use other names (or layouts) than its modules maps each key:
-    # ``map_checkpoint_key(key) -> (parameter name, convert or None) | None (skip)``
-    remap = getattr(model, "map_checkpoint_key", None)
+
     reader = CheckpointReader(model_dir)
-    for key in reader.names():
-        if remap is not None:
-            mapped = remap(key)
-            if mapped is not None and mapped[0] in params:
-                name, convert = mapped
-                t = reader.get(key)
-                _fill(params[name], block(name, convert(t) if convert is not None else t), key)
-                filled.add(name)
-            continue
-        stored = key
-        if key.startswith(_TEXT_PREFIX):
-            key = "model." + key[len(_TEXT_PREFIX) :]
-        shard = _SHARD_KEY.match(key)
-        if shard and f"{shard['param']}.weight" in params:
-            shards[f"{shard['param']}.weight"].append((int(shard["i"]), stored))
-            continue
-        m = _EXPERT_KEY.match(key)
-        if m:
-            # experts of layers the model does not build (e.g. MTP layers), or of other ranks, are not read
-            name, e = f"{m['prefix']}.gate_up_proj", int(m["e"])
-            _, start, n = blocks.get(name, (0, 0, None))
-            if name in params and start <= e and (n is None or e < start + n):
-                experts[m["prefix"]][e - start][m["proj"]] = reader.get(stored)
-            continue
-        if key in params:
-            _fill(params[key], read(key, stored), stored)
-            filled.add(key)
-    for name, parts in shards.items():
-        # this process's rows [start, start + n) of the table (all of them unless it holds a block)
-        dst = params[name]
-        if name in blocks and row_block(name) is None:
-            raise ValueError(f"{name}: a table saved in row shards can only be split by rows")
-        start, n = row_block(name) or (0, dst.shape[0])
-        row, got = 0, 0
-        for _, stored in sorted(parts):
-            rows = reader.rows(stored)
-            lo, hi = max(row, start), min(row + rows, start + n)
-            if lo < hi:
-                _fill(dst[lo - start : hi - start], reader.get(stored, (lo - row, hi - lo)), stored)
-                got += hi - lo
-            row += rows
-        if got != n or (row != n if name not in blocks else row < start + n):
-            want = f"rows {start}..{start + n - 1}" if name in blocks else f"{n} rows"
-            raise ValueError(f"{name}: checkpoint shards hold {row} rows, model expects {want}")
-        filled.add(name)
+    layout = checkpoint_layout(model, reader)
+    filled: set[str] = set()
+    # prefix -> this process's expert -> projection -> (parameter, piece)
+    experts: dict[str, dict[int, dict[str, tuple[str, Piece]]]] = defaultdict(lambda: defaultdict(dict))
+    for name, place in layout.items():
+        if place.kind == WHOLE:
+            for piece in place.pieces:
+                if piece.to_param is None:
+                    t = read(name, piece.key)
+                else:
+                    t = block(name, piece.from_checkpoint(reader.get(piece.key)))
+                _fill(params[name], t, piece.key)
+            filled.add(name)
+        elif place.kind == EXPERTS:
+            # experts of other ranks are not read
+            prefix = name.rsplit(".", 1)[0]
+            _, start, n = blocks.get(f"{prefix}.gate_up_proj", (0, 0, None))
+            for piece in place.pieces:
+                e = piece.index[0]
+                if start <= e and (n is None or e < start + n):
+                    experts[prefix][e - start][_EXPERT_KEY.match(piece.key)["proj"]] = name, piece
+        else:
+            # this process's rows [start, start + n) of the table (all of them unless it holds a block)
+            dst = params[name]
+            if name in blocks and row_block(name) is None:
+                raise ValueError(f"{name}: a table saved in row shards can only be split by rows")
+            start, n = row_block(name) or (0, dst.shape[0])
+            row, got = 0, 0
+            for piece in place.pieces:
+                (span,) = piece.index
+                lo, hi = max(span.start, start), min(span.stop, start + n)
+                if lo < hi:
+                    _fill(dst[lo - start : hi - start], reader.get(piece.key, (lo - span.start, hi - lo)), piece.key)
+                    got += hi - lo
+                row = span.stop
+            if got != n or (row != n if name not in blocks else row < start + n):
+                want = f"rows {start}..{start + n - 1}" if name in blocks else f"{n} rows"
+                raise ValueError(f"{name}: checkpoint shards hold {row} rows, model expects {want}")
+            filled.add(name)
     for prefix, per_expert in experts.items():
-        gate_up, down = params.get(f"{prefix}.gate_up_proj"), params.get(f"{prefix}.down_proj")
-        if gate_up is None or down is None:
-            continue
-        n = gate_up.shape[0]
+        n = params[f"{prefix}.gate_up_proj"].shape[0]
         if sorted(per_expert) != list(range(n)):
             start = blocks.get(f"{prefix}.gate_up_proj", (0, 0, n))[1]
             have = [e + start for e in sorted(per_expert)][:5]
             raise ValueError(f"{prefix}: checkpoint has experts {have}…, this process expects {start}..{start + n - 1}")
-        inter = gate_up.shape[1] // 2
-        for e, t in per_expert.items():
-            missing = {"gate_proj", "up_proj", "down_proj"} - set(t)
+        for e, projections in per_expert.items():
+            missing = {"gate_proj", "up_proj", "down_proj"} - set(projections)
             if missing:
                 raise ValueError(f"checkpoint lacks {prefix}.{e}.{min(missing)}.weight")
-            _fill(gate_up[e, :inter], t["gate_proj"], f"{prefix}.{e}.gate_proj.weight")
-            _fill(gate_up[e, inter:], t["up_proj"], f"{prefix}.{e}.up_proj.weight")
-            _fill(down[e], t["down_proj"], f"{prefix}.{e}.down_proj.weight")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                name, piece = projections[proj]
+                where = (e, *piece.index[1:])  # the piece's place, in this process's block of experts
+                _fill(params[name][where], piece.from_checkpoint(reader.get(piece.key)), piece.key)
         filled |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
     if cfg.tie_word_embeddings:
         filled.add("lm_head.weight")

@@ -2,6 +2,7 @@
 Face export, checked against transformers on tiny random models."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -106,3 +107,53 @@ def test_ember_export_cli(tmp_path, capsys):
     assert main(["export", str(tmp_path / "lora"), "--base", str(path), "--out", str(tmp_path / "peft")]) == 0
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
     assert main(["export", str(tmp_path / "nope"), "--base", str(path), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_ember_export_errors_are_clear(tmp_path, capsys):
+    """Bad paths, swapped arguments, a base of another model: one line each, exit status 2."""
+    from ember.cli import main
+
+    path = save_hf_model(build_hf_model("qwen3", seed=5), tmp_path / "m")
+    small = save_hf_model(build_hf_model("qwen3", seed=5, hidden_size=32, head_dim=8), tmp_path / "small")
+    moe = save_hf_model(build_hf_model("qwen3_moe", seed=5), tmp_path / "moe")
+    model = perturbed(path)
+    names = [n for n, _ in trainable_parameters(model)]
+    fc.save_full(model, tmp_path / "ck", names, None, {"base_model": {"model_type": "qwen3", "vocab_size": 320}})
+    fc.save_full(model, tmp_path / "bare", names, None)  # no base_model metadata: the weights decide
+    cases = {
+        ("nope", path): "checkpoint .*nope does not exist",
+        ("ck", tmp_path / "nobase"): "--base .*nobase does not exist",
+        ("m", path): "Hugging Face model folder, not an Ember checkpoint",
+        ("ck", tmp_path / "ck"): "is an Ember checkpoint; pass the base model",
+        ("ck", moe): "model_type of 'qwen3'; .* has 'qwen3_moe'",
+        ("bare", small): "has shape .*the model this checkpoint was trained from",
+        ("bare", moe): "does not hold this model's trained weights.*the model this checkpoint was trained from",
+    }
+    for (ck, base), pattern in cases.items():
+        args = ["export", str(tmp_path / ck), "--base", str(base), "--out", str(tmp_path / "out")]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path / "ck"), "--base", str(path), "--out", str(tmp_path / "o"), "--quantized", "x"])
+    assert "--quantized" in capsys.readouterr().err
+
+
+def test_ember_export_cli_quantized_base(tmp_path, capsys):
+    """``--quantized`` picks the export's format for a quantized base."""
+    from ember.cli import main
+    from tests.unit.test_export_families import quantized_base, stored
+
+    base = quantized_base(tmp_path, "mxfp8")
+    model = perturbed(base)
+    names = [n for n, _ in trainable_parameters(model)]
+    fc.save_full(model, tmp_path / "ck", names, None)
+    assert main(["export", str(tmp_path / "ck"), "--base", str(base), "--out", str(tmp_path / "q")]) == 0
+    assert set(stored(tmp_path / "q")) == set(stored(base))
+    assert main(["export", str(tmp_path / "ck"), "--base", str(base), "--out", str(tmp_path / "d"),
+                 "--quantized", "dequantize"]) == 0
+    plain = stored(tmp_path / "d")
+    assert not any(k.endswith("_scale") for k in plain) and len(plain) < len(stored(base))
+    again = dict(load_model(tmp_path / "d", "cpu", torch.float32).named_parameters())
+    assert all(torch.equal(again[n], p) for n, p in model.named_parameters())

@@ -57,6 +57,19 @@ def reference_rows(store, datum, sid, P):
     return rows
 
 
+def check_against_reference(reference, datums, rows, out, config) -> torch.Tensor:
+    """The float64 formula on ``reference``'s logits: each datum's logprobs equal ``out``'s, and the
+    summed loss its ``loss:sum``; returns that loss (for its gradients)."""
+    total = 0.0
+    for d, r, lp in zip(datums, rows, out.logprobs):
+        logits = reference(torch.tensor([d.tokens.tolist()])).logits[0]
+        loss, logprobs = ref.loss(logits, d.loss_inputs["target_tokens"], r, d.loss_inputs["advantages"], **config)
+        np.testing.assert_allclose(lp, logprobs.detach().numpy(), atol=1e-5, rtol=0)
+        total = total + loss
+    assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-5)
+    return total
+
+
 CASES = [
     ("truncated", SamplingParams(max_tokens=7, temperature=0.8, top_k=12, top_p=0.9, seed=1), {}),
     ("untruncated", SamplingParams(max_tokens=7, temperature=1.0, seed=2), {}),
@@ -87,14 +100,7 @@ def test_loss_logprobs_and_gradients_equal_the_float64_formula(name, params, con
     (out,) = worker.forward_backward([ForwardBackwardInput(slot, datums, "stable_reinforce", config)])
 
     peft = peft_model_like(copy.deepcopy(hf), adapter).double()
-    total = 0.0
-    for d, r, lp in zip(datums, rows, out.logprobs):
-        logits = peft(torch.tensor([d.tokens.tolist()])).logits[0]
-        loss, logprobs = ref.loss(logits, d.loss_inputs["target_tokens"], r, d.loss_inputs["advantages"], **config)
-        np.testing.assert_allclose(lp, logprobs.detach().numpy(), atol=1e-5, rtol=0)
-        total = total + loss
-    assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-5)
-    total.backward()
+    check_against_reference(peft, datums, rows, out, config).backward()
     ref_grads, mine = peft_grads_as_ember(peft, adapter), adapter.grads()
     assert set(ref_grads) == set(mine)
     for k, g in ref_grads.items():
@@ -129,15 +135,8 @@ def test_a_full_finetuning_run_equals_the_float64_formula(hf_models, tmp_path):
     (out,) = worker.forward_backward([ForwardBackwardInput(slot, datums, "stable_reinforce", config)])
 
     reference = copy.deepcopy(hf).double()
-    total = 0.0
-    for d, r, lp in zip(datums, rows, out.logprobs):
-        logits = reference(torch.tensor([d.tokens.tolist()])).logits[0]
-        loss, logprobs = ref.loss(logits, d.loss_inputs["target_tokens"], r, d.loss_inputs["advantages"], **config)
-        np.testing.assert_allclose(lp, logprobs.detach().numpy(), atol=1e-5, rtol=0)
-        total = total + loss
-    assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-5)
+    check_against_reference(reference, datums, rows, out, config).backward()
     assert out.metrics["stability/gap:mean"] < 1e-5
-    total.backward()
     assert_full_gradients_equal(worker.full.get(slot).model, grads_in_ember_layout(reference, tmp_path))
     assert all(p.grad is None for p in worker.model.parameters())  # the shared base model is untouched
 

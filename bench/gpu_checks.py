@@ -209,6 +209,15 @@ def check_fused_kernels() -> None:
     (yr.float() * g.float()).sum().backward()
     report("triton rmsnorm y", rel(y, yr), 1e-2)
     report("triton rmsnorm dx", rel(gx, x.grad), 1e-2)
+    x.grad = None
+    y = fused.RMSNormFn.apply(x, w, 1e-6, False, True)  # Olmo's order: the weight product in fp32
+    (y.float() * g.float()).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    yr = norms._RMSNorm.apply(x, w, 1e-6, False, True)
+    (yr.float() * g.float()).sum().backward()
+    report("triton rmsnorm fp32-product y", rel(y, yr), 1e-2)
+    report("triton rmsnorm fp32-product dx", rel(gx, x.grad), 1e-2)
     gu = torch.randn(4096, 2 * 3072, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g2 = torch.randn(4096, 3072, device="cuda", dtype=torch.bfloat16)
     y = fused.SiluMulFn.apply(gu[:, :3072], gu[:, 3072:])

@@ -130,8 +130,8 @@ class LocalExperts:
     def __call__(self, experts: Experts, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
         group = None if lora is None or not self.sp.active else self.sp.local(lora.moe_token_group())
         rows = ExpertRows.sort(routing, lora, group)
-        out = experts.compute(x, rows.token, rows.weight, rows.key, rows.group, rows.groups, lora)
-        return experts.combine(x, rows.token, out)
+        out = experts.compute(x, rows.token, rows.weight, rows.key, rows.group, rows.groups, lora, rows.inverse)
+        return experts.combine(x, rows.token, out, rows.inverse)
 
 
 def apply_sequence_parallel(model: CausalLM, parallel: Parallel, kinds: dict[str, str]) -> SequenceParallel:

@@ -22,21 +22,22 @@ SCRIPT = textwrap.dedent(
         assert err <= tol, (name, err)
         print(name, err)
 
-    for zero_centred in (False, True):
+    for zero_centred, fp32_product in ((False, False), (True, False), (False, True)):
         for need_dw in (False, True):
             x = torch.randn(37, 3, 48, dtype=torch.float64).float().requires_grad_()
             w = (torch.randn(48) * 0.1 + (0 if zero_centred else 1)).requires_grad_(need_dw)
             g = torch.randn(37, 3, 48)
-            y = fused.RMSNormFn.apply(x, w, 1e-6, zero_centred)
+            y = fused.RMSNormFn.apply(x, w, 1e-6, zero_centred, fp32_product)
             (y * g).sum().backward()
             gx, gw = x.grad.clone(), (w.grad.clone() if need_dw else None)
             x.grad = None; w.grad = None
-            yr = norms._RMSNorm.apply(x, w, 1e-6, zero_centred)
+            yr = norms._RMSNorm.apply(x, w, 1e-6, zero_centred, fp32_product)
             (yr * g).sum().backward()
-            check(f"rmsnorm zc={zero_centred} y", y, yr, 1e-5)
-            check(f"rmsnorm zc={zero_centred} dx", gx, x.grad, 1e-4)
+            mode = f"zc={zero_centred} fp32={fp32_product}"
+            check(f"rmsnorm {mode} y", y, yr, 1e-5)
+            check(f"rmsnorm {mode} dx", gx, x.grad, 1e-4)
             if need_dw:
-                check(f"rmsnorm zc={zero_centred} dw", gw, w.grad, 1e-4)
+                check(f"rmsnorm {mode} dw", gw, w.grad, 1e-4)
 
     gu = torch.randn(29, 2 * 70).requires_grad_()
     gate, up = gu[:, :70], gu[:, 70:]   # strided views, as in the MoE path
@@ -91,3 +92,27 @@ def test_triton_kernels_match_torch_reference():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_fp32_product_norm_is_olmos_order():
+    """``fp32_product`` (Olmo3's norms): ``(w * x̂).to(dtype)`` with the product in fp32, which in
+    bf16 differs from the Llama order ``w * x̂.to(dtype)``; its gradients are the same formula."""
+    import torch
+
+    from ember.core.layers import norms
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g).bfloat16().requires_grad_()
+    w = (torch.rand(96, generator=g) + 0.5).bfloat16().requires_grad_()
+    y = norms.rms_norm(x, w, 1e-6, fp32_product=True)
+    xf = x.detach().float()
+    olmo = (w.detach().float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).bfloat16()
+    assert torch.equal(y, olmo)
+    assert not torch.equal(y, norms.rms_norm(x, w, 1e-6))  # bf16 tells the two orders apart
+    dy = torch.randn(64, 96, generator=g).bfloat16()
+    (y.float() * dy.float()).sum().backward()
+    xd, wd = xf.double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = wd * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    (ref * dy.double()).sum().backward()
+    assert (x.grad.double() - xd.grad).norm() / xd.grad.norm() < 1e-2
+    assert (w.grad.double() - wd.grad).norm() / wd.grad.norm() < 1e-2

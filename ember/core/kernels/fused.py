@@ -34,7 +34,8 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+    def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, ZERO_CENTRED: tl.constexpr,
+                     FP32_PRODUCT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -44,6 +45,8 @@ if HAVE_TRITON:
         xhat = x * rstd
         if ZERO_CENTRED:
             y = xhat * (1.0 + w)
+        elif FP32_PRODUCT:  # Olmo's order: scale in fp32, then round
+            y = xhat * w
         else:
             # reference order: round the normalised value to the input dtype, then scale
             y = xhat.to(Y.dtype.element_ty).to(tl.float32) * w
@@ -192,19 +195,23 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNormFn(torch.autograd.Function):
-    """Fused RMSNorm (see ``ember.core.layers.norms`` for the reference formula)."""
+    """Fused RMSNorm (see ``ember.core.layers.norms`` for the reference formula; ``fp32_product``:
+    the weight product in fp32 before rounding, Olmo's order)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, zero_centred: bool):
+    def forward(ctx, x, weight, eps: float, zero_centred: bool, fp32_product: bool = False):
         x2 = _rows(x)
         n_rows, n_cols = x2.shape
-        y = torch.empty_like(x2, dtype=torch.promote_types(x.dtype, weight.dtype) if not zero_centred else x.dtype)
+        fp32_product = fp32_product or zero_centred
+        y = torch.empty_like(x2, dtype=x.dtype if fp32_product else torch.promote_types(x.dtype, weight.dtype))
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n_cols)
         _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
-                                ZERO_CENTRED=zero_centred, BLOCK=block, num_warps=min(8, max(1, block // 256)))
+                                ZERO_CENTRED=zero_centred, FP32_PRODUCT=fp32_product, BLOCK=block,
+                                num_warps=min(8, max(1, block // 256)))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.zero_centred = zero_centred
+        ctx.fp32_product = fp32_product
         ctx.shape = x.shape
         return y.view(x.shape)
 
@@ -220,9 +227,9 @@ class RMSNormFn(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:  # only full fine-tuning trains norm weights: plain torch is enough
             xhat = x2.float() * rstd[:, None]
-            n = xhat if ctx.zero_centred else xhat.to(x2.dtype).float()
+            n = xhat if ctx.fp32_product else xhat.to(x2.dtype).float()
             dw = (dy2.float() * n).sum(0).to(weight.dtype)
-        return dx.view(ctx.shape), dw, None, None
+        return dx.view(ctx.shape), dw, None, None, None
 
 
 class SiluMulFn(torch.autograd.Function):

@@ -116,7 +116,8 @@ class _ExpertProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B):
+    def forward(ctx, x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None):
+        ctx.inverse = inverse  # rows' inverse permutation (ExpertRows.inverse): gx sums them without atomics
         xs = x if rows is None else x[rows]
         if in_scale is not None:
             xs = xs * in_scale[:, None].to(xs.dtype)
@@ -147,8 +148,37 @@ class _ExpertProjection(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 g_scale = (gxs.float() * base.float()).sum(-1).to(in_scale.dtype)
             gxs = gxs * in_scale[:, None].to(gxs.dtype)
-        gx = gxs if rows is None else torch.zeros_like(x).index_add_(0, rows, gxs)
-        return gx, None, g_scale, gW, None, None, None, gA, gB
+        if rows is None:
+            gx = gxs
+        elif ctx.inverse is not None:
+            gx = sum_rows(gxs, ctx.inverse, x.shape[0]).to(x.dtype)
+        else:
+            gx = torch.zeros_like(x).index_add_(0, rows, gxs)
+        return gx, None, g_scale, gW, None, None, None, gA, gB, None
+
+
+def sum_rows(rows: torch.Tensor, inverse: torch.Tensor, tokens: int, fp32: bool = False) -> torch.Tensor:
+    """Each token's sum of its ``k`` rows: ``inverse[t * k + j]`` is the row of token ``t``'s
+    ``j``-th choice (every token has exactly ``k``). A gather and one reduction (accumulated in
+    fp32, rounded once), instead of ``index_add_``'s atomic adds; deterministic."""
+    picked = rows[inverse].view(tokens, -1, rows.shape[-1])
+    return picked.float().sum(1) if fp32 else picked.sum(1)
+
+
+class _CombineRows(torch.autograd.Function):
+    """:func:`sum_rows` whose backward hands each row its token's gradient (a gather: the
+    autograd of ``rows[inverse]`` would scatter with atomics)."""
+
+    @staticmethod
+    def forward(ctx, rows, inverse, token, tokens: int, fp32: bool):
+        ctx.save_for_backward(token)
+        ctx.dtype = rows.dtype
+        return sum_rows(rows, inverse, tokens, fp32)
+
+    @staticmethod
+    def backward(ctx, g):
+        (token,) = ctx.saved_tensors
+        return g[token].to(ctx.dtype), None, None, None, None
 
 
 @dataclass
@@ -156,13 +186,16 @@ class ExpertRows:
     """The (token, k) rows of an MoE layer sorted by (expert, adapter group).
 
     ``token``/``weight``/``group``: each sorted row's token, routing weight and adapter group;
-    ``key``: its ``expert * groups + group``; ``groups``: the number of adapter groups."""
+    ``key``: its ``expert * groups + group``; ``groups``: the number of adapter groups;
+    ``inverse``: the sort's inverse permutation (``inverse[t * k + j]``: the sorted row of token
+    ``t``'s ``j``-th choice), with which a token's rows are summed without atomics."""
 
     token: torch.Tensor
     weight: torch.Tensor
     group: torch.Tensor
     key: torch.Tensor
     groups: int
+    inverse: torch.Tensor | None = None
 
     @staticmethod
     def sort(routing: Routing, lora: LoraRoute | None, token_group: torch.Tensor | None = None) -> ExpertRows:
@@ -179,7 +212,10 @@ class ExpertRows:
             row_group = torch.zeros_like(flat_expert)
             key = flat_expert
         order = torch.argsort(key, stable=True)
-        return ExpertRows(flat_token[order], routing.weights.reshape(-1)[order], row_group[order], key[order], groups)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return ExpertRows(flat_token[order], routing.weights.reshape(-1)[order], row_group[order], key[order], groups,
+                          inverse)
 
 
 class Experts(nn.Module):
@@ -223,8 +259,8 @@ class Experts(nn.Module):
         if self.dispatch is not None:
             return self.dispatch(self, x, routing, lora)
         rows = ExpertRows.sort(routing, lora)
-        out = self.compute(x, rows.token, rows.weight, rows.key, rows.group, rows.groups, lora)
-        return self.combine(x, rows.token, out)
+        out = self.compute(x, rows.token, rows.weight, rows.key, rows.group, rows.groups, lora, rows.inverse)
+        return self.combine(x, rows.token, out, rows.inverse)
 
     def compute(
         self,
@@ -235,9 +271,11 @@ class Experts(nn.Module):
         group: torch.Tensor,
         groups: int,
         lora: LoraRoute | None,
+        inverse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The weighted expert outputs of rows sorted by ``key`` = ``local expert * groups +
-        group``: row ``i`` is ``x[rows[i]]`` (``rows`` None: ``x`` itself), scaled by ``weight[i]``."""
+        group``: row ``i`` is ``x[rows[i]]`` (``rows`` None: ``x`` itself), scaled by ``weight[i]``
+        (``inverse``: of ``rows``, when every token has the same number of rows; see :class:`ExpertRows`)."""
         E = self.num_experts
         pair_sizes = torch.bincount(key, minlength=E * groups)
         expert_offsets = offsets_from_sizes(pair_sizes.view(E, groups).sum(1), x.device)
@@ -247,10 +285,11 @@ class Experts(nn.Module):
             factors = None
             if lora is not None:
                 factors = lora.expert_factors(f"{self.lora_name}.{suffix}", group, inp.dtype)
+            inv = inverse if rows is not None else None
             if factors is None:
-                return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, None, None, None, None)
+                return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, None, None, None, None, inv)
             A, B, scale_rows = factors
-            return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, lora_offsets, scale_rows, A, B)
+            return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, lora_offsets, scale_rows, A, B, inv)
 
         gate_up_w, down_w = self.gate_up_proj, self.down_proj
         if self.rollout is not None and self.rollout.active:
@@ -259,8 +298,12 @@ class Experts(nn.Module):
         # the routing weight scales the down projection's input rows (same result: it is linear)
         return project(self.activation(gate, up), None, weight, down_w, "down_proj")
 
-    def combine(self, x: torch.Tensor, token: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Sum each token's rows of ``out`` (row ``i`` belongs to token ``token[i]``)."""
+    def combine(self, x: torch.Tensor, token: torch.Tensor, out: torch.Tensor,
+                inverse: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum each token's rows of ``out`` (row ``i`` belongs to token ``token[i]``; with
+        ``inverse`` (:class:`ExpertRows`) by a gather and one reduction, else by ``index_add_``)."""
+        if inverse is not None:
+            return _CombineRows.apply(out, inverse, token, x.shape[0], self.accumulate_fp32).to(x.dtype)
         if self.accumulate_fp32:
             return x.new_zeros(x.shape, dtype=torch.float32).index_add_(0, token, out.float()).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)

@@ -3,7 +3,8 @@
 A plain autograd RMSNorm keeps several fp32 copies of its input for the backward pass; at 16k tokens
 that is gigabytes per layer. This one keeps the input (in its own dtype) and one fp32 scalar per row,
 and recomputes the rest. Numerics follow Hugging Face: normalise in fp32, cast to the input dtype,
-then multiply by the weight (``w * x̂``), or by ``1 + w`` for zero-centred norms (Qwen3-Next, Gemma).
+then multiply by the weight (``w * x̂``), or by ``1 + w`` for zero-centred norms (Qwen3-Next, Gemma);
+``fp32_product`` multiplies by ``w`` in fp32 before the cast (Olmo's order).
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ from ember.core.kernels import fused
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps: float, zero_centred: bool):
+    def forward(ctx, x, weight, eps: float, zero_centred: bool, fp32_product: bool = False):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         if zero_centred:
             y = (xf * rstd * (1.0 + weight.float())).to(x.dtype)
+        elif fp32_product:
+            y = (weight.float() * (xf * rstd)).to(x.dtype)
         else:
             y = weight * (xf * rstd).to(x.dtype)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centred = zero_centred
+        ctx.fp32_product = fp32_product or zero_centred
         return y
 
     @staticmethod
@@ -36,19 +40,18 @@ class _RMSNorm(torch.autograd.Function):
         dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
         dw = None
         if ctx.needs_input_grad[1]:
-            if ctx.zero_centred:
-                n = xhat
-            else:
-                n = xhat.to(x.dtype).float()
+            n = xhat if ctx.fp32_product else xhat.to(x.dtype).float()
             dw = (dy.float() * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-        return dx.to(x.dtype), dw, None, None
+        return dx.to(x.dtype), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    """RMS-normalise the last dimension of ``x`` and scale by ``weight`` (or ``1 + weight``)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False,
+             fp32_product: bool = False) -> torch.Tensor:
+    """RMS-normalise the last dimension of ``x`` and scale by ``weight`` (or ``1 + weight``; in
+    fp32 before the cast with ``fp32_product``)."""
     if fused.use_triton(x, weight):
-        return fused.RMSNormFn.apply(x, weight, eps, zero_centred)
-    return _RMSNorm.apply(x, weight, eps, zero_centred)
+        return fused.RMSNormFn.apply(x, weight, eps, zero_centred, fp32_product)
+    return _RMSNorm.apply(x, weight, eps, zero_centred, fp32_product)
 
 
 class RMSNorm(nn.Module):

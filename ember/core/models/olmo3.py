@@ -16,7 +16,7 @@ from torch import nn
 from ember.core.config import AttentionSpec, ModelConfig
 from ember.core.layers.lora import LoraLinear
 from ember.core.layers.mlp import SwiGLU
-from ember.core.layers.norms import RMSNorm
+from ember.core.layers.norms import RMSNorm, rms_norm
 from ember.core.layers.rope import RotaryEmbedding, apply_rope
 from ember.core.layers.rope_scaling import rotary_from_params
 from ember.core.models.base import CausalLM, ForwardContext
@@ -25,34 +25,11 @@ DEFAULT_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-class _Olmo3RMSNormFn(torch.autograd.Function):
-    """``(w · x̂).to(dtype)`` with the weight product in fp32 (Olmo's order; Llama casts ``x̂``
-    first). Keeps ``x`` and one fp32 scalar per row for the backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return (weight.float() * (xf * rstd)).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd
-        dxhat = dy.float() * weight.float()
-        dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (dy.float() * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
-        return dx.to(x.dtype), dw, None
-
-
 class Olmo3RMSNorm(RMSNorm):
     """RMSNorm over the last dimension, weight applied in fp32 before the cast."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Olmo3RMSNormFn.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, fp32_product=True)
 
 
 def rope_params_by_layer_type(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -18,8 +18,11 @@ Formats (:mod:`ember.core.quant`):
   per 1 × 128 block, DeepSeek's W8A8 recipe), after a self-check against the dequantised product at
   :func:`attach`; when the check or a call fails, or a shape does not fit (``K``/``N`` not multiples of
   128), the data is dequantised for that product instead. On an H200 (torch 2.11) the product is
-  within 2.6 % of the dequantised one but 5-10x slower than bf16 at decode shapes: the activation
-  quantisation below is several unfused kernels (``bench/rollout_fp8_check.py``). Elsewhere (CPU, other GPUs) fp8 is quantise-dequantise (QDQ), as below.
+  within 2.6 % of the dequantised one. The activations are quantised in one Triton launch
+  (:mod:`ember.core.kernels.fp8_quant`, bitwise the PyTorch version); at decode shapes (M = 64) the
+  product's GPU time is still 1.2-2x bf16's, as ``scaled_mm`` alone is, and eagerly its host
+  launches dominate (``bench/fp8_act_quant.py``). Elsewhere (CPU, other GPUs) fp8 is
+  quantise-dequantise (QDQ), as below.
 * ``mxfp8``: OCP MX (e4m3 elements, one E8M0 power-of-two scale per 32 along ``K``), always
   quantise-dequantise (no MX tensor cores assumed).
 
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core import quant
+from ember.core.kernels import fp8_quant
 from ember.core.layers.lora import LoraLinear, LoraRoute
 from ember.core.layers.moe import Experts
 
@@ -89,23 +93,45 @@ def _fp8_capable(device: torch.device) -> bool:
             and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
 
 
-def _quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 ``x`` ``[M, K]`` with one fp32 scale per 1 × 128 block ``[M, K/128]``."""
+def _quantize_act_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``x`` ``[M, K]`` with one fp32 scale per 1 × 128 block ``[M, K/128]`` (row-major): the
+    PyTorch version (CPU, and the reference of :func:`ember.core.kernels.fp8_quant.quantize_act_fp8`)."""
     M, K = x.shape
     blocks = x.float().reshape(M, K // FP8_BLOCK, FP8_BLOCK)
-    scale = (blocks.abs().amax(-1) / quant.E4M3_MAX).clamp_min(1e-12)
+    # amax / 448 correctly rounded on every device: CUDA divides by a CPU scalar as a product with
+    # its fp32 reciprocal (a different scale for about half the blocks), not by a device tensor
+    scale = (blocks.abs().amax(-1) / torch.full((), quant.E4M3_MAX, device=x.device)).clamp_min(1e-12)
     q = (blocks / scale[..., None]).clamp(-quant.E4M3_MAX, quant.E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(M, K), scale
+
+
+_TRITON_QUANT_OK: dict[torch.device, bool] = {}
+
+
+def _quantize_act(x: torch.Tensor, outer_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``x`` ``[M, K]`` with one fp32 scale per 1 × 128 block ``[M, K/128]``: one Triton launch on
+    CUDA (:mod:`ember.core.kernels.fp8_quant`, bitwise the PyTorch version), else
+    :func:`_quantize_act_torch`. The scales are row-major, or with ``outer_major_scales`` the
+    transposed view of a contiguous ``[K/128, M]`` (what ``scaled_mm`` takes)."""
+    if x.is_cuda and fp8_quant.available(x) and _TRITON_QUANT_OK.get(x.device, True):
+        try:
+            return fp8_quant.quantize_act_fp8(x, outer_major_scales)
+        except Exception as e:  # noqa: BLE001 - a GPU-only path: fall back to PyTorch
+            log.warning("Triton fp8 activation quantisation failed; using PyTorch: %s", e)
+            _TRITON_QUANT_OK[x.device] = False
+    q, scale = _quantize_act_torch(x)
+    return q, (scale.t().contiguous().t() if outer_major_scales else scale)
 
 
 def _scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``x @ dequant(q, scale_inv).T`` with ``scaled_mm`` (1 × 128 activation blocks, 128 × 128
     weight tiles); checked once per device by :func:`_self_check`."""
-    xq, xs = _quantize_act(x)
+    xq, xs = _quantize_act(x, outer_major_scales=True)
     ST = F.ScalingType
     # scale layouts as the blockwise recipes expect them (torch 2.11 on an H200): the activation
-    # scales [M, K/128] outer-dim-major; the weight tiles' as the scales of ``q.t()`` ([K/128, N/128],
-    # strides (1, K/128)): the transposed view of the stored [N/128, K/128]
+    # scales [M, K/128] outer-dim-major (``xs`` already is: the ``.contiguous()`` copies nothing);
+    # the weight tiles' as the scales of ``q.t()`` ([K/128, N/128], strides (1, K/128)): the
+    # transposed view of the stored [N/128, K/128]
     return F.scaled_mm(xq, q.t(), xs.t().contiguous().t(), ST.BlockWise1x128, scale_inv.t(),
                        ST.BlockWise128x128, output_dtype=out_dtype)
 

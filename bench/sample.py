@@ -76,6 +76,7 @@ from bench.common import (
     sync,
     token_vocab,
 )
+from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank, LoraConfig
 from ember.core.batch import pack
 from ember.core.layers.attention import PackedAttention
@@ -160,6 +161,7 @@ def run_ember(
     graphs: bool,
     static: bool | None,
     keep: bool = False,
+    precision: str = "bf16",
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -173,6 +175,7 @@ def run_ember(
         max_prefill_tokens=max(16384, plen),
         cuda_graphs=graphs,
         static_decode=static,
+        rollout_precision=precision,
     )
     sync()
     t_start = time.perf_counter()
@@ -185,8 +188,12 @@ def run_ember(
         for i, p in enumerate(prompts)
     ]
     floor_bytes = weight_bytes(model, bank, used) + len(prompts) * (plen + new / 2) * engine.cache.nbytes_per_token()
+    if precision != "bf16":  # the quantised copies are read instead of the bf16 weights they stand for
+        floor_bytes += engine.rollout_bytes - sum(
+            p.numel() * p.element_size() for m in rollout_precision.targets(model)
+            for p in m.parameters(recurse=False))
     out, results = _timed(engine, reqs, len(prompts), floor_bytes)
-    out["ttft_cold_s"] = ttft_cold
+    out.update(ttft_cold_s=ttft_cold, rollout_precision=precision, rollout_bytes=engine.rollout_bytes)
     if keep:
         out["_state"] = (bank, used, reqs, results)
     else:
@@ -393,6 +400,8 @@ def main() -> None:
         "--only", default="a,a-32slots,b,b-1,hf,gap",
         help="comma list of workloads (also: a-par, grpo, grpo-noshare, stall, stall-whole)",
     )
+    ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
+                    help="workload a (and gap): the sampler's copy of the base weights (the trainer stays bf16)")
     ap.add_argument("--long-prompt", type=int, default=16384, help="stall: the long prompt's tokens")
     ap.add_argument("--step-tokens", type=int, default=2048, help="stall: max_prefill_tokens, the per-step budget")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -417,7 +426,8 @@ def main() -> None:
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
     plan = {
-        "a": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only),
+        "a": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only,
+                               precision=args.rollout_precision),
         "a-32slots": lambda: run_ember(model, prompts, args.new, 1, 32, 32, args.rank, graphs, static),
         "b": lambda: run_ember(
             model, mixed, args.new, args.adapters, max(32, args.adapters), args.adapters, args.rank, graphs, static

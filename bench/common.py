@@ -858,17 +858,17 @@ def sync() -> None:
 
 
 def time_steps(fn: Callable[[], None], warmup: int, iters: int) -> list[float]:
-    """Wall times (s) of ``iters`` calls of ``fn`` after ``warmup`` calls, synchronised."""
-    for _ in range(warmup):
-        fn()
-    sync()
+    """Wall times (s) of ``iters`` calls of ``fn`` after ``warmup`` calls, synchronised; prints each
+    call's time as it ends (a first call's compilation shows there)."""
     times = []
-    for _ in range(iters):
+    for i in range(warmup + iters):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return times
+        label = f"warm-up {i + 1}/{warmup}" if i < warmup else f"step {i - warmup + 1}/{iters}"
+        print(f"    {label}: {times[-1]:.3f} s", flush=True)
+    return times[warmup:]
 
 
 class MemoryMeter:

@@ -7,6 +7,9 @@
   GPU time of each (CUDA graphs of repeated calls, timed with CUDA events) against the bytes read
 * paged decode attention (flash-decoding kernel) vs the reference, with its time and bandwidth
 * the sampling kernel (plain rows) vs the fp64 PyTorch draw, with its time
+* the Gated DeltaNet rule through fla (bf16, chunked over packed sequences with initial states,
+  and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
+  a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout
 
 Prints the largest relative errors; exits non-zero if one exceeds its bf16 tolerance.
 """
@@ -443,7 +446,119 @@ def check_sampling() -> None:
         print(f"  sample_rows {rows} x {V}: {t:.1f} us (3 reads of the logits at {HBM_TBPS} TB/s: {floor:.1f} us)")
 
 
+def check_gdn() -> None:
+    """fla's gated delta rule (bf16) vs Ember's PyTorch rule on the same bf16 inputs in fp32."""
+    from ember.core.layers import gated_deltanet as gd
+    from ember.core.models.base import ForwardContext
+    from ember.core.sampling.kv_cache import RecurrentStateStore
+
+    if gd._fla_ops() is None:
+        report("gdn: fla-core is not installed", float("inf"), 0)
+        return
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    Hk, Hv, dk, dv = 16, 32, 128, 128  # Qwen3-Next's linear-attention heads
+    r = Hv // Hk
+    lens = [1000, 2500, 64, 37, 700]
+    T, N = sum(lens), len(lens)
+
+    def inputs():
+        q = torch.randn(T, Hk, dk, device=dev, dtype=bf)
+        k = torch.randn(T, Hk, dk, device=dev, dtype=bf)
+        v = torch.randn(T, Hv, dv, device=dev, dtype=bf)
+        g = -torch.rand(T, Hv, device=dev).mul(0.3) - 0.01  # log decays in fp32
+        beta = torch.rand(T, Hv, device=dev, dtype=bf)
+        return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+    def torch_rule(q, k, v, g, beta, h0, dtype=torch.float32):
+        qf = gd.l2norm(q.to(dtype).repeat_interleave(r, 1)) * dk**-0.5
+        kf = gd.l2norm(k.to(dtype).repeat_interleave(r, 1))
+        return gd.chunk_gated_delta_rule(qf, kf, v.to(dtype), g.to(dtype), beta.to(dtype), lens, h0)
+
+    q, k, v, g, beta = inputs()
+    h0 = torch.randn(N, Hv, dk, dv, device=dev) * 0.1
+    do = torch.randn(T, Hv, dv, device=dev)
+    dh = torch.randn(N, Hv, dk, dv, device=dev)
+    res = {}
+    for name in ("fla", "torch", "torch64"):
+        for t in (q, k, v, g, beta):
+            t.grad = None
+        if name == "fla":
+            o, h = gd.fla_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, lens, h0, True)
+        else:
+            dt = torch.float64 if name == "torch64" else torch.float32
+            o, h = torch_rule(q, k, v, g, beta, h0.to(dt), dt)
+        ((o.double() * do.double()).sum() + (h.double() * dh.double()).sum()).backward()
+        res[name] = [o.detach(), h.detach()] + [t.grad.clone() for t in (q, k, v, g, beta)]
+    names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta"]
+    for i, n in enumerate(names):
+        report(f"gdn torch fp32 vs fp64 {n}", rel(res["torch"][i], res["torch64"][i]), 1e-4)
+        report(f"gdn fla bf16 vs torch {n}", rel(res["fla"][i], res["torch64"][i]), 2.5e-2)
+
+    # one decode step per sequence from those states: fla's recurrent kernel vs the torch form
+    q1, k1 = torch.randn(N, Hk, dk, device=dev, dtype=bf), torch.randn(N, Hk, dk, device=dev, dtype=bf)
+    v1, beta1 = torch.randn(N, Hv, dv, device=dev, dtype=bf), torch.rand(N, Hv, device=dev, dtype=bf)
+    g1 = -torch.rand(N, Hv, device=dev) * 0.3
+    o_f, h_f = gd.fla_gated_delta_rule(q1.repeat_interleave(r, 1), k1.repeat_interleave(r, 1), v1, g1, beta1, [1] * N, h0, True)
+    qf = gd.l2norm(q1.float().repeat_interleave(r, 1)) * dk**-0.5
+    kf = gd.l2norm(k1.float().repeat_interleave(r, 1))
+    o_t, h_t = gd.recurrent_gated_delta_rule(qf, kf, v1.float(), g1, beta1.float(), h0)
+    report("gdn fla recurrent vs torch out", rel(o_f, o_t), 1e-2)
+    report("gdn fla recurrent vs torch state", rel(h_f, h_t), 1e-2)
+
+    # the layer (LoRA-free), prefill then two decode steps, through ctx.state: fla vs torch
+    shape = gd.GDNShape(Hk, Hv, dk, dv, 4, 1e-6, "silu")
+    layer = gd.GatedDeltaNet(1024, shape, 0, fused_projections=True).to(dev, bf)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.5))
+    x = torch.randn(T, 1024, device=dev, dtype=bf)
+    steps = [torch.randn(N, 1024, device=dev, dtype=bf) for _ in range(2)]
+    outs = {}
+    for backend in ("fla", "torch"):
+        layer.backend = backend
+        store = RecurrentStateStore()
+        seqs = list(range(N))
+        pos = torch.zeros(T, dtype=torch.long, device=dev)
+        ys = [layer(x, ForwardContext(positions=pos, attend=None, seq_lens=lens, state=store.view(seqs)))]
+        for xs in steps:
+            ctx = ForwardContext(positions=pos[:N], attend=None, seq_lens=[1] * N, state=store.view(seqs))
+            ys.append(layer(xs, ctx))
+        outs[backend] = ys
+    for i, n in enumerate(["prefill", "decode 1", "decode 2"]):
+        report(f"gdn layer fla vs torch {n}", rel(outs["fla"][i], outs["torch"][i]), 2.5e-2)
+    layer.backend = None
+
+    # time at 8k tokens (4 x 2048), the anchor's layout (perf_anchors: 0.47 ms fwd / 1.44 ms bwd)
+    lens8 = [2048] * 4
+    q = torch.randn(8192, Hv, dk, device=dev, dtype=bf, requires_grad=True)  # repeated to the value heads
+    k = torch.randn(8192, Hv, dk, device=dev, dtype=bf, requires_grad=True)
+    v = torch.randn(8192, Hv, dv, device=dev, dtype=bf, requires_grad=True)
+    g = (-torch.rand(8192, Hv, device=dev) * 0.3).requires_grad_()
+    beta = torch.rand(8192, Hv, device=dev, dtype=bf).requires_grad_()
+    do = torch.randn(8192, Hv, dv, device=dev, dtype=bf)
+
+    def fwd():
+        return gd.fla_gated_delta_rule(q, k, v, g, beta, lens8, None, False)[0]
+
+    def fwd_bwd():
+        fwd().backward(do)
+
+    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"  fla gdn 4 x 2048 tokens, {Hk}/{Hv} heads x {dk}: {name} {start.elapsed_time(end) / 20:.3f} ms")
+
+
 CHECKS = {
+    "gdn": lambda: check_gdn(),
     "sampling": lambda: check_sampling(),
     "attention": lambda: check_attention(),
     "grouped": lambda: check_grouped(),

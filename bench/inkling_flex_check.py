@@ -4,6 +4,7 @@ Run on a CUDA machine (the CPU tests cannot: torch 2.13 runs FlexAttention on th
 uncompiled and without backward)::
 
     python bench/inkling_flex_check.py            # all checks, ~1-2 min on one H200
+    python bench/inkling_flex_check.py --only=kernel,timing   # some of the parts below
 
 1. Kernel: ``PackedRelativeAttention`` with ``backend="flex"`` (compiled) vs ``"eager"`` on packed
    documents (some longer than the window and the relative extent), for a sliding layer
@@ -230,11 +231,12 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     print(torch.__version__, "dry run on the CPU" if DRY else torch.cuda.get_device_name())
-    check_kernel()
-    check_finite_differences()
-    check_model()
-    if not DRY:
-        timing()
+    parts = {"kernel": check_kernel, "fd": check_finite_differences, "model": check_model, "timing": timing}
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")), list(parts))
+    for name in only:
+        if name == "timing" and DRY:
+            continue
+        parts[name]()
     print("FAILED:" if FAILED else "all checks passed", *FAILED, sep="\n  ")
     return 1 if FAILED else 0
 

@@ -11,12 +11,25 @@ chunks of 64 tokens, one row per sequence so that no state crosses ``ctx.seq_len
 of one token per sequence uses the recurrent form. Between passes the layer keeps, through
 ``ctx.state``: ``conv`` (``[N, K-1, C]``, the last inputs of its short convolution) and
 ``recurrent`` (``[N, Hv, dk, dv]``, fp32).
+
+Two implementations of the rule (:func:`gdn_backend`): ``torch`` — the functions below, in fp32
+(the CPU path and the reference); ``fla`` — flash-linear-attention's Triton kernels
+(``fla-core``, an optional GPU dependency: ``chunk_gated_delta_rule`` over ``cu_seqlens`` for
+training and prefill, ``fused_recurrent_gated_delta_rule`` for decoding), used on CUDA for bf16 and
+fp16 models when it is installed. fla takes the bf16 q/k/v (q and k repeated to the value heads,
+as for the torch path), normalises q and k in the kernel and keeps the state in fp32;
+``bench/gpu_checks.py gdn`` compares it with the torch path. fla-core 0.4.2 is the version to
+install: from 0.5 on, fla refuses the gated backward on Hopper with Triton 3.4 to 3.7.0 (fla
+issue 640: a Triton codegen bug at a 64-wide key tile), which torch 2.11's Triton 3.6 is;
+0.4.2 tiles keys 128 wide on Hopper, which avoids it, and the GPU check holds its gradients to
+the fp64 rule.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +44,7 @@ if TYPE_CHECKING:
     from ember.core.models.base import ForwardContext
 
 CHUNK = 64
+BACKENDS = ("torch", "fla")
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
 
 
@@ -152,6 +166,65 @@ def recurrent_gated_delta_rule(
     return (state * q[..., None]).sum(-2), state
 
 
+@cache
+def _fla_ops():
+    """fla's ``(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)``, or ``None`` where
+    ``fla-core`` (or Triton) is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+    except ImportError:
+        return None
+    return chunk, recurrent
+
+
+def gdn_backend(x: torch.Tensor, requested: str | None = None) -> str:
+    """The implementation of the rule for activations ``x``: ``requested`` if given (``fla``
+    needs CUDA and ``fla-core``), else ``fla`` for bf16/fp16 CUDA tensors when it is installed and
+    ``torch`` otherwise."""
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise ValueError(f"GDN backend must be one of {BACKENDS}, not {requested!r}")
+        if requested == "fla" and (not x.is_cuda or _fla_ops() is None):
+            raise RuntimeError("the fla GDN backend needs a CUDA device and fla-core (pip install fla-core)")
+        return requested
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fla_ops() is not None:
+        return "fla"
+    return "torch"
+
+
+def fla_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seq_lens: list[int],
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rule through fla's kernels, for packed sequences: ``q, k`` ``[T, H, dk]`` (not yet
+    normalised), ``v`` ``[T, H, dv]``, ``g, beta`` ``[T, H]``,
+    ``initial_state`` ``[N, H, dk, dv]`` fp32 or ``None``. One token per sequence with a state
+    takes the recurrent kernel. Returns ``o`` ``[T, H, dv]`` (``v``'s dtype) and the final fp32
+    state (``None`` unless ``output_final_state``)."""
+    chunk, recurrent = _fla_ops()
+    scale = q.shape[-1] ** -0.5
+    if initial_state is not None and max(seq_lens) == 1:
+        o, final = recurrent(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+        )
+        return o[:, 0], final
+    cu_cpu = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
+    o, final = chunk(
+        q[None], k[None], v[None], g[None], beta[None], scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu,
+    )
+    return o[0], final
+
+
 class GatedRMSNorm(RMSNorm):
     """``w ⊙ RMSNorm(x) ⊙ act(z)`` per head (transformers ``RMSNormGated``: normalise in fp32, cast,
     scale by ``w`` (initialised to 1), then gate in fp32)."""
@@ -170,7 +243,10 @@ class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer of Qwen3-Next (``fused_projections``: ``in_proj_qkvz`` and
     ``in_proj_ba``, interleaved per key head) and Qwen3.8-Flash-Next (``in_proj_qkv``, ``in_proj_z``,
     ``in_proj_b``, ``in_proj_a``). Projections are LoRA targets (``attn``); the short convolution,
-    ``A_log``, ``dt_bias`` and the norm stay frozen (spec §3.9)."""
+    ``A_log``, ``dt_bias`` and the norm stay frozen (spec §3.9). ``backend``: the rule's
+    implementation (``None``: :func:`gdn_backend`'s choice)."""
+
+    backend: str | None = None
 
     def __init__(self, hidden: int, shape: GDNShape, layer: int, fused_projections: bool):
         super().__init__()
@@ -215,22 +291,25 @@ class GatedDeltaNet(nn.Module):
         qkv, conv_history = causal_conv(qkv, self.conv1d.weight[:, 0], seq_lens, conv_history)
         qkv = F.silu(qkv).to(x.dtype)
         q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        r = s.num_v_heads // s.num_k_heads
-        f = torch.promote_types(x.dtype, torch.float32)  # the rule runs in fp32 (fp64 for fp64 models)
-        q = q.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1).to(f)
-        k = k.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1).to(f)
-        q = l2norm(q) * s.head_k_dim**-0.5
-        k = l2norm(k)
-        v = v.reshape(T, s.num_v_heads, s.head_v_dim).to(f)
-        beta = b.sigmoid().to(f)
-        g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias)
+        r = s.num_v_heads // s.num_k_heads  # value head j reads key head j // r
+        q = q.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1)
+        k = k.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1)
+        v = v.reshape(T, s.num_v_heads, s.head_v_dim)
         recurrent = state.get(self.layer, "recurrent") if state is not None else None
-        if state is not None and max(seq_lens) == 1:
-            o, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent)
+        f = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 models)
+        g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias)
+        if gdn_backend(x, self.backend) == "fla":
+            o, recurrent = fla_gated_delta_rule(q, k, v, g, b.sigmoid(), seq_lens, recurrent, state is not None)
         else:
-            o, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, seq_lens, recurrent)
+            q, k = l2norm(q.to(f)) * s.head_k_dim**-0.5, l2norm(k.to(f))
+            v, beta = v.to(f), b.sigmoid().to(f)
+            if state is not None and max(seq_lens) == 1:
+                o, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent)
+            else:
+                o, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, seq_lens, recurrent)
         if state is not None:
             state.put(self.layer, "conv", conv_history)
             state.put(self.layer, "recurrent", recurrent)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(T, -1), ctx.lora)
+

@@ -116,13 +116,6 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int, expert_fsdp: bool 
     """Refuse at start, naming the sizes, a layout that does not divide what it splits."""
     from ember.core.config import TP_FAMILIES, load_config
 
-    for flag, n in (("--ep", ep), ("--tp", tp)):
-        if nproc < 1 or n < 1 or nproc % n:
-            raise ValueError(f"{flag} {n} must divide --nproc {nproc}")
-    if ep > 1 and tp > 1 and ep % tp:
-        raise ValueError(f"--ep {ep} must be a multiple of --tp {tp} (expert groups span whole TP groups)")
-    if expert_fsdp and nproc // ep < 2:
-        raise ValueError(f"--expert-fsdp needs --nproc ({nproc}) > --ep ({ep}): no two processes hold the same experts")
     for name, m in models.items():
         cfg = load_config(m.path)
         moe = getattr(cfg, "moe", None)
@@ -144,14 +137,14 @@ def _check_layout(models: dict, nproc: int, ep: int, tp: int, expert_fsdp: bool 
                     raise ValueError(f"--tp {tp} must divide the {n} {what} of {name!r}")
 
 
-def _check_full_finetune(args: argparse.Namespace) -> None:
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    """The engine options' checks shared with the engine process, then the offload folder's."""
+    from ember.engine_flags import engine_flag_errors, flag_values
+
+    errors = engine_flag_errors(**flag_values(args))
+    if errors:
+        raise ValueError(errors[0])
     offload = args.optimizer_offload
-    if not (offload in ("none", "host") or offload.startswith("disk:") and len(offload) > 5):
-        raise ValueError(f"--optimizer-offload must be none, host or disk:DIR, got {offload!r}")
-    if args.optimizer_device_gib < 0:
-        raise ValueError(f"--optimizer-device-gib must be >= 0, got {args.optimizer_device_gib}")
-    if args.full_finetune and (args.nproc > 1 or args.ray):
-        raise ValueError("--full-finetune runs each engine on one process: not with --nproc > 1 or --ray")
     if offload.startswith("disk:"):
         folder = Path(offload[5:]).expanduser()
         try:
@@ -177,10 +170,8 @@ def _serve(args: argparse.Namespace) -> int:
         client_config = json.loads(args.client_config) if args.client_config else {}
         models = parse_model_flags(args.model or [], home)
         if not args.api_only:
+            _check_engine_flags(args)
             _check_layout(models, args.nproc, args.ep, args.tp, args.expert_fsdp)
-            _check_full_finetune(args)
-            if args.max_prefill_tokens < 1:
-                raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
     except (ValueError, json.JSONDecodeError) as e:
         print(f"ember serve: {e}", file=sys.stderr)
         return 2
@@ -244,11 +235,16 @@ def _status(args: argparse.Namespace) -> int:
         tps = e.tokens / e.busy_seconds if e.busy_seconds else 0.0
         print(f"  {e.base_model}: {e.status}{' (no heartbeat for >10 s)' if stale else ''} pid={e.pid} generation={e.generation} passes={e.passes} "
               f"tokens={e.tokens} ({tps:.0f} tok/s busy) heartbeat={e.heartbeat_at and e.heartbeat_at.strftime('%H:%M:%S')}"
+              + (f" memory={_mib(e.memory_bytes)}" if e.memory_bytes is not None else "")
               + (f" detail={e.detail}" if e.detail else ""))
         if e.ranks:
+            # a Ray engine's actors report their own memory: "rss" (the process's resident set,
+            # on the CPU) or "cuda_allocated" (torch.cuda.memory_allocated of its GPU)
             print(f"    {len(e.ranks['ranks'])} processes, ep={e.ranks['ep']} tp={e.ranks['tp']}: "
                   + ", ".join(f"rank {r['rank']} pid={r['pid']} {r['device']}" + (f" node={r['node']}" if r.get("node") else "")
-                             for r in e.ranks["ranks"]))
+                              + (f" {r.get('memory', 'memory')}={_mib(r['memory_bytes'])}"
+                                 if r.get("memory_bytes") is not None else "")
+                              for r in e.ranks["ranks"]))
             if e.ranks.get("ray"):  # the engine's Ray actors: how many nodes, actors and GPUs
                 ranks = e.ranks["ranks"]
                 nodes = sorted({r.get("node_id") or r.get("node") for r in ranks})
@@ -271,6 +267,10 @@ def _status(args: argparse.Namespace) -> int:
     for m in models:
         print(f"  {m.id}\t{m.base_model}\trank={m.lora['rank']}\tnext_seq={m.next_seq}\t{m.status}")
     return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}MiB"
 
 
 def _add_db_flags(p: argparse.ArgumentParser) -> None:

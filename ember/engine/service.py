@@ -35,6 +35,7 @@ from ember.engine import scheduler
 from ember.engine.full_runs import NoRoom
 from ember.engine.stability import StabilityRecord, StabilityStore, resolve_datum
 from ember.engine.worker import Worker
+from ember.engine_flags import engine_flag_errors, flag_values
 from ember.jsonlog import setup_logging
 from ember.storage import Storage
 from ember.store import Store
@@ -166,8 +167,7 @@ class EngineService:
                 self.stability.expire()
                 self._last_expiry = now
             if now - self._last_beat > 2.0:
-                self._durable(self.store.engine_progress, self.base_model, 0, 0, 0.0,
-                              memory_in_use(self.worker.device))
+                self._durable(self.store.engine_progress, self.base_model, 0, 0, 0.0, *self._memory())
                 self._last_beat = now
             if self.doorbell is not None:
                 self.doorbell.wait(idle)
@@ -237,6 +237,15 @@ class EngineService:
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)
 
+    def _memory(self) -> tuple[int, dict | None]:
+        """For the heartbeat: the bytes the engine holds, and its ranks' record (``engine_ranks``)
+        when it should be rewritten, else None. An engine on Ray actors reports what its actors
+        hold, each its own figure (``RayFanOut.memory_report``); any other, this process."""
+        report = getattr(self.worker, "memory_report", None)
+        if report is not None:
+            return report()
+        return memory_in_use(self.worker.device), None
+
     def _listener_ports(self) -> list[int]:
         now = time.monotonic()
         if now - self._listeners[0] > 2.0:
@@ -300,7 +309,7 @@ class EngineService:
         # SDK sends right after a forward_backward, usually queued while the pass ran): it runs
         # now, not after another tick's reads and claim.
         follow = self._finish(outcomes, advance=advance, claim_next=True, metrics=metrics,
-                              progress=(self.base_model, 1, tokens, seconds, memory_in_use(self.worker.device)))
+                              progress=(self.base_model, 1, tokens, seconds, *self._memory()))
         self._last_beat = time.monotonic()
         log.info(
             "packed pass",
@@ -740,19 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dist-init", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    for flag, n in (("--ep", args.ep), ("--tp", args.tp)):
-        if args.nproc < 1 or n < 1 or args.nproc % n:
-            ap.error(f"{flag} {n} must divide --nproc {args.nproc}")
-    if args.full_finetune and (args.nproc > 1 or args.ray):
-        ap.error("--full-finetune runs on one process: not with --nproc > 1 or --ray")
-    if not (args.optimizer_offload in ("none", "host") or args.optimizer_offload.startswith("disk:")):
-        ap.error(f"--optimizer-offload must be none, host or disk:DIR, got {args.optimizer_offload!r}")
-    if args.max_prefill_tokens < 1:
-        ap.error(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
-    if args.optimizer_device_gib < 0:
-        ap.error(f"--optimizer-device-gib must be >= 0, got {args.optimizer_device_gib}")
-    if args.expert_fsdp and args.nproc // args.ep < 2:
-        ap.error(f"--expert-fsdp needs --nproc ({args.nproc}) > --ep ({args.ep}): no two ranks hold the same experts")
+    errors = engine_flag_errors(**flag_values(args))
+    if errors:
+        ap.error(errors[0])
     if args.device == "cpu" and not args.ray:  # on Ray: each actor sets its own
         torch.set_num_threads(max(1, cpu_threads(args.cpu_threads) // args.nproc))
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -785,7 +784,10 @@ def main(argv: list[str] | None = None) -> int:
         worker = RayFanOut.start(args.ray, dict(
             model_path=args.model_path, device=args.device, dtype=dtype_name, nproc=args.nproc, ep=args.ep,
             tp=args.tp, expert_fsdp=args.expert_fsdp, cpu_threads=args.cpu_threads, log_level=args.log_level,
-            log_format=args.log_format, kwargs=kwargs, name=args.base_model))
+            log_format=args.log_format, kwargs=kwargs, name=args.base_model,
+            # a local root must be the same folder on every node (checked); with an fsspec URL the
+            # actors see no folder of this machine: their checkpoint folders are relayed
+            shared=[args.storage] if "://" not in args.storage else []))
         store.engine_ranks(args.base_model, worker.ranks)
     elif args.nproc > 1:
         worker = ranks.FanOut(ranks.start_rank(args, dtype, kwargs, argv if argv is not None else sys.argv[1:]))

@@ -849,14 +849,14 @@ class Store:
         advance: dict[str, int] | None = None,
         model_status: dict[str, tuple[str, str | None]] | None = None,
         checkpoints: dict[str, tuple[str, int | None]] | None = None,
-        progress: tuple[str, int, int, float, int | None] | None = None,
+        progress: tuple[str, int, int, float, int | None, dict | None] | None = None,
         claim_next: bool = False,
         metrics: Sequence[tuple[str, int, str, dict[str, float]]] = (),
     ) -> list[tuple[PendingFuture, bytes | None]]:
         """Record results in one transaction: ``outcomes`` = ``(id, result, error, category)``;
         ``advance`` = new ``next_seq`` per model; ``model_status`` = ``(status, detail)`` per model;
         ``checkpoints`` = ``(state, size_bytes)`` per tinker path (``failed`` ones are removed);
-        ``progress`` = ``(base_model, passes, tokens, seconds, memory_bytes)``: the engine's
+        ``progress`` = ``(base_model, passes, tokens, seconds, memory_bytes, ranks)``: the engine's
         ``engine_progress``; ``metrics`` = ``(model_id, seq_id, op, {name: value})`` of finished
         training requests (``run_metrics``).
 
@@ -927,16 +927,20 @@ class Store:
             s.execute(update(EngineRecord).where(EngineRecord.base_model == base_model).values(status=status))
 
     def engine_progress(self, base_model: str, passes: int, tokens: int, seconds: float,
-                        memory_bytes: int | None = None) -> None:
+                        memory_bytes: int | None = None, ranks: dict | None = None) -> None:
         """Heartbeat plus work counters (``passes`` packed passes of ``tokens`` tokens) and the
-        engine's memory in use (accelerator memory, or resident memory on the CPU)."""
+        engine's memory in use (accelerator memory, or resident memory on the CPU); ``ranks``:
+        the engine's processes anew (``engine_ranks``; an engine on Ray actors: with each one's
+        memory), in the same transaction."""
         with self.write() as s:
-            self._progress(s, base_model, passes, tokens, seconds, memory_bytes)
+            self._progress(s, base_model, passes, tokens, seconds, memory_bytes, ranks)
 
     @staticmethod
     def _progress(s: OrmSession | Connection, base_model: str, passes: int, tokens: int, seconds: float,
-                  memory_bytes: int | None = None) -> None:
+                  memory_bytes: int | None = None, ranks: dict | None = None) -> None:
         params = {"bm": base_model, "now": utcnow()}
+        if ranks is not None:
+            s.execute(update(_ENGINES).where(_ENGINES.c.base_model == base_model).values(ranks=ranks))
         if passes:
             s.execute(_PROGRESS, {**params, "passes": passes, "tokens": tokens, "seconds": seconds,
                                   "mem": memory_bytes})

@@ -229,11 +229,11 @@ def export_hf(model: torch.nn.Module, names: list[str], base_dir: str | Path, ou
     dtype = next(iter(params.values())).dtype
     dequantize = quantized == "dequantize"
 
-    def trained_value(key: str, base: torch.Tensor) -> torch.Tensor:
+    def trained_value(key: str, base_shape: tuple[int, ...]) -> torch.Tensor:
         name, piece = source[key]
         t = piece.from_param(params[name].detach())
-        if tuple(t.shape) != tuple(base.shape) and not reader.is_quantized(key):
-            raise ValueError(f"{name} gives {key} the shape {tuple(t.shape)}, the base stores {tuple(base.shape)}")
+        if tuple(t.shape) != tuple(base_shape) and not reader.is_quantized(key):
+            raise ValueError(f"{name} gives {key} the shape {tuple(t.shape)}, the base stores {tuple(base_shape)}")
         return t
 
     def tensors():
@@ -243,15 +243,15 @@ def export_hf(model: torch.nn.Module, names: list[str], base_dir: str | Path, ou
             if not scales:
                 if is_trained:
                     def make(key=key):
-                        base = reader.raw(key)
-                        keep = base.dtype if base.dtype.is_floating_point and base.element_size() >= 2 else dtype
-                        return trained_value(key, base).to(keep)
+                        base_dtype, base_shape = reader.info(key)  # the header: the base tensor is not read
+                        keep = base_dtype if base_dtype.is_floating_point and base_dtype.itemsize >= 2 else dtype
+                        return trained_value(key, base_shape).to(keep)
                     yield key, make
                 else:
                     yield key, (lambda key=key: reader.raw(key))
             elif dequantize:
                 if is_trained:
-                    yield key, (lambda key=key: trained_value(key, reader.raw(key)).to(dtype))
+                    yield key, (lambda key=key: trained_value(key, reader.info(key)[1]).to(dtype))
                 else:
                     yield key, (lambda key=key: reader.get(key).to(dtype))
             elif is_trained:
@@ -260,7 +260,7 @@ def export_hf(model: torch.nn.Module, names: list[str], base_dir: str | Path, ou
                 def make(sfx: str, key=key, scales=scales, done=done) -> torch.Tensor:
                     if not done:  # the weight and its scales, quantized together
                         stored = {"": reader.raw(key)} | {s: reader.raw(k) for s, k in scales.items()}
-                        value = trained_value(key, stored[""])
+                        value = trained_value(key, tuple(stored[""].shape))
                         same = torch.equal(value.float(), reader.get(key))  # unchanged: the base's bytes
                         done.update(stored if same else requantize(value, stored))
                     return done.pop(sfx)

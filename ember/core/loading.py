@@ -47,6 +47,17 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+# safetensors' dtype names (header ``dtype`` field) -> torch dtypes
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
 class CheckpointReader:
     """The tensors of a model folder by key, across shards. Quantized weights (MXFP8, NVFP4, FP8
     tiles: a ``X.weight`` with ``X.weight_scale`` / ``X.weight_scale_inv`` companions, see
@@ -75,6 +86,14 @@ class CheckpointReader:
         """The tensor stored under ``key`` exactly as stored (quantized bytes stay quantized; any key,
         scale companions included)."""
         return self._handle(key).get_tensor(key)
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The stored dtype and shape of ``key``, from the file's header (no tensor read)."""
+        piece = self._handle(key).get_slice(key)
+        name = piece.get_dtype()
+        if name not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{key} is stored as {name}, a dtype Ember does not read")
+        return _SAFETENSORS_DTYPES[name], tuple(piece.get_shape())
 
     def scale_keys(self, key: str) -> dict[str, str]:
         """``{suffix: stored key}`` of the scale companions of the weight ``key`` (``_scale``,

@@ -312,3 +312,15 @@ def test_a_base_without_the_trained_weights_is_refused(tmp_path):
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight"):
         fc.export_hf(model, names, partial, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_reader_takes_dtype_and_shape_from_the_header(tmp_path, monkeypatch):
+    """``CheckpointReader.info`` (what an export of a trained weight needs of its base tensor) equals
+    the stored tensor's dtype and shape for each stored dtype, without reading the tensor."""
+    values = {"a": torch.ones(3, 4, dtype=torch.bfloat16), "b": torch.ones(5, dtype=torch.float8_e4m3fn),
+              "c": torch.ones(2, 2, dtype=torch.uint8), "d": torch.ones(1, dtype=torch.float64)}
+    save_file(values, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path)
+    monkeypatch.setattr(CheckpointReader, "raw", lambda self, key: pytest.fail(f"{key} was read"))
+    for key, t in values.items():
+        assert reader.info(key) == (t.dtype, tuple(t.shape)), key

@@ -50,13 +50,14 @@ arrangement of torchtitan's ``checkpoint_wrapper`` inside ``fully_shard`` (not t
 with ``--expert-fsdp`` the experts' gathers simply run again in the recompute, on every rank).
 
 :func:`activation_bytes` estimates a pass's activation memory (what ``--activation-checkpointing
-auto`` compares with the free device memory).
+auto`` compares with the free device memory), and :func:`layers_to_checkpoint` picks the fewest
+layers whose checkpointing makes up the difference (``auto`` checkpoints only those).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -208,25 +209,26 @@ class _Recompute:
 class LayerCheckpointing:
     """The checkpointing wrappers of one model's decoder layers (:func:`apply_checkpointing`).
 
-    ``active``: whether layers called now (in grad mode) are checkpointed; the engine turns it
-    on per training pass with :meth:`on`. ``recomputes``: layer recomputes so far (tests, logs).
+    ``active``: the indices of the layers that calls now (in grad mode) checkpoint (empty: none);
+    the engine sets it per training pass with :meth:`on`. ``recomputes``: layer recomputes so far
+    (tests, logs).
     """
 
     def __init__(self, model: CausalLM):
         self.model = model
-        self.active = False
+        self.active: frozenset[int] = frozenset()
         self.recomputes = 0
         self.moe = bool(model.moe_routers())
         self.pass_state: list[tuple[object, tuple[str, ...]]] = []
-        for layer in model.model.layers:
-            self._wrap(layer)
+        for i, layer in enumerate(model.model.layers):
+            self._wrap(i, layer)
         self._track_parallel_state()
 
-    def _wrap(self, layer: nn.Module) -> None:
+    def _wrap(self, index: int, layer: nn.Module) -> None:
         forward = layer.forward  # the class's method, bound
 
         def checkpointed(*args, **kwargs):
-            if not (self.active and torch.is_grad_enabled()):
+            if index not in self.active or not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
             call = _Call(self, forward, args)
             with set_checkpoint_early_stop(False):
@@ -254,10 +256,14 @@ class LayerCheckpointing:
                 self.track(dispatch, "mode")
 
     @contextmanager
-    def on(self, enabled: bool = True) -> Iterator[None]:
-        """Checkpoint the layers of the passes run inside (in grad mode) when ``enabled``."""
+    def on(self, enabled: bool | Iterable[int] = True) -> Iterator[None]:
+        """Checkpoint layers in the passes run inside (in grad mode): all of them (``True``), none
+        (``False``) or those of the given indices."""
         before = self.active
-        self.active = enabled
+        if isinstance(enabled, bool):
+            self.active = frozenset(range(len(self.model.model.layers))) if enabled else frozenset()
+        else:
+            self.active = frozenset(enabled)
         try:
             yield
         finally:
@@ -347,6 +353,39 @@ def activation_bytes(model: CausalLM, tokens: int, dtype_bytes: int | None = Non
     return int(tokens * sum(layer_elements(model)) * dtype_bytes / max(tp, 1)) + HEAD_BYTES
 
 
+def checkpoint_order(model: CausalLM) -> list[int]:
+    """The order in which ``auto`` adds layers to checkpoint: most kept per token first, ties by
+    index (the same on every rank of a sharded engine)."""
+    elements = layer_elements(model)
+    return sorted(range(len(elements)), key=lambda i: (-elements[i], i))
+
+
+def layers_to_checkpoint(model: CausalLM, excess: int, tokens: int, dtype_bytes: int | None = None,
+                         tp: int = 1, scale: float = 1.0) -> list[int]:
+    """The fewest decoder layers whose checkpointing frees ``excess`` bytes of a pass of ``tokens``
+    tokens, taken in :func:`checkpoint_order` (those that keep the most per token first). A
+    checkpointed layer still keeps its input (one hidden size per token, one per stream under
+    hyper-connections), and its backward rebuilds its activations, one layer at a time, so the
+    largest chosen layer's activations count against what is freed. ``scale`` multiplies the
+    estimate (the engine's measured-to-estimated ratio). All layers if that is not enough."""
+    if excess <= 0:
+        return []
+    if dtype_bytes is None:
+        dtype_bytes = model.model.embed_tokens.weight.element_size()
+    per_token = dtype_bytes * scale * tokens / max(tp, 1)
+    kept = model.config.hidden_size * int(getattr(model.model, "streams", 1))
+    elements = layer_elements(model)
+    order = checkpoint_order(model)
+    chosen: list[int] = []
+    freed = 0.0
+    for i in order:
+        chosen.append(i)
+        freed += max(elements[i] - kept, 0) * per_token
+        if freed - elements[chosen[0]] * per_token >= excess:
+            return sorted(chosen)
+    return list(range(len(elements)))
+
+
 def available_bytes(device: torch.device) -> int:
     """Memory a pass can still take on a CUDA ``device``: the driver's free memory plus what
     PyTorch's caching allocator holds unused."""
@@ -355,4 +394,4 @@ def available_bytes(device: torch.device) -> int:
 
 
 __all__ = ["MODES", "SNAPSHOTS", "LayerCheckpointing", "LayerRouting", "activation_bytes", "apply_checkpointing",
-           "available_bytes", "layer_elements"]
+           "available_bytes", "checkpoint_order", "layer_elements", "layers_to_checkpoint"]

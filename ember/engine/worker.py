@@ -9,13 +9,16 @@ Activation checkpointing (``activation_checkpointing``: ``auto`` | ``on`` | ``of
 training passes only (a ``forward_backward`` with at least one request that trains, so grad mode
 is on); sampling and forward-only passes never checkpoint. ``on`` checkpoints every decoder layer
 of every training pass (:mod:`ember.core.checkpointing`). ``auto`` (the default) decides per pass:
-on CUDA it checkpoints when the pass's estimated activation memory
+on CUDA, when the pass's estimated activation memory
 (:func:`~ember.core.checkpointing.activation_bytes`, from the pass's tokens and the model's
 shape, or what earlier passes measured per token when that is more) plus the gradients the
 backward is yet to allocate exceed :data:`AUTO_FRACTION` of the memory still available on the
-device, and runs a forward that ran out of memory again with checkpointing (one process only);
-on other devices it is off. A sharded engine's ranks agree (any rank that would not fit turns it
-on for all: they must recompute the same layers).
+device, it checkpoints the fewest layers that make up the difference
+(:func:`~ember.core.checkpointing.layers_to_checkpoint`: the layers that keep the most first;
+the rest keep their activations and are not recomputed), and runs a forward that ran out of
+memory again with every layer checkpointed (one process only); on other devices it is off. A
+sharded engine's ranks agree (they take the most layers any rank needs, in the same order: they
+must recompute the same layers).
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ import torch.distributed as dist
 from ember.core.adapters import Adapter, AdapterBank, LoraConfig
 from ember.core.batch import PackedBatch, pack
 from ember.core.checkpoint import FULL_FORMAT, checkpoint_format, load_adapter, save_adapter
-from ember.core.checkpointing import MODES, activation_bytes, apply_checkpointing, available_bytes
+from ember.core.checkpointing import (
+    HEAD_BYTES,
+    MODES,
+    activation_bytes,
+    apply_checkpointing,
+    available_bytes,
+    checkpoint_order,
+    layers_to_checkpoint,
+)
 from ember.core.full_checkpoint import export_hf
 from ember.core.layers.attention import PackedAttention
 from ember.core.layers.moe import RoutingRecord
@@ -490,7 +501,7 @@ class Worker:
             with _checkpointing(weights, on):
                 lp = self.logprobs(batch, targets, inv, routing, weights)
         except torch.cuda.OutOfMemoryError:
-            if on or self.activation_checkpointing != "auto" or getattr(self, "parallel", None) is not None:
+            if on is True or self.activation_checkpointing != "auto" or getattr(self, "parallel", None) is not None:
                 raise
             lp = None  # retried below, once the exception (and the tensors its frames hold) is gone
         if lp is None:
@@ -505,9 +516,10 @@ class Worker:
             self._kept_per_token = max(self._kept_per_token, kept / tokens)
         return lp
 
-    def _checkpoint_pass(self, tokens: int, keys: list, weights: Weights | None = None) -> bool:
-        """Whether this pass (``tokens`` tokens of ``keys``' (slot, trains) sequences, on
-        ``weights``, default the base model's) checkpoints its layers (the module doc's rule)."""
+    def _checkpoint_pass(self, tokens: int, keys: list, weights: Weights | None = None) -> bool | frozenset[int]:
+        """Which layers this pass (``tokens`` tokens of ``keys``' (slot, trains) sequences, on
+        ``weights``, default the base model's) checkpoints (the module doc's rule): ``False``
+        (none), ``True`` (all) or the indices of some."""
         weights = weights or self._weights(0)
         mode = self.activation_checkpointing
         if mode == "off" or not torch.is_grad_enabled():
@@ -518,7 +530,8 @@ class Worker:
             return False
         parallel = getattr(self, "parallel", None)
         tp = parallel.layout.tp if parallel is not None else 1
-        need = max(activation_bytes(self.model, tokens, tp=tp), int(tokens * self._kept_per_token))
+        estimate = activation_bytes(self.model, tokens, tp=tp)
+        need = max(estimate, int(tokens * self._kept_per_token))
         trained = [self.bank.get(s).flat for s in {s for s, trains in keys if s and trains}]
         if weights.model is not self.model and any(trains for _, trains in keys):  # a full fine-tuning run
             trained = [p for p in weights.model.parameters() if p.requires_grad]
@@ -526,16 +539,22 @@ class Worker:
             if p.grad is None:
                 need += p.numel() * p.element_size()
         available = available_bytes(self.device)
-        on = need > AUTO_FRACTION * available
+        # what earlier passes measured beyond the estimate scales what each layer frees
+        scale = max(1.0, (need - HEAD_BYTES) / (estimate - HEAD_BYTES)) if estimate > HEAD_BYTES else 1.0
+        layers = layers_to_checkpoint(self.model, need - int(AUTO_FRACTION * available), tokens, tp=tp, scale=scale)
+        n = len(layers)
         if parallel is not None and parallel.world > 1:  # every rank must checkpoint the same layers
-            flag = torch.tensor([int(on)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            on = bool(flag.item())
-        if on and not self._auto_on:
+            count = torch.tensor([n], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            if int(count.item()) != n:  # another rank needs more: the same order, as many as it needs
+                n = int(count.item())
+                layers = sorted(checkpoint_order(self.model)[:n])
+        on: bool | frozenset[int] = bool(n) if n in (0, len(self.model.model.layers)) else frozenset(layers)
+        if n and not self._auto_on:
             log.info("activation checkpointing on: the pass would not fit",
                      extra={"tokens": tokens, "estimate_gib": round(need / 2**30, 1),
-                            "available_gib": round(available / 2**30, 1)})
-        self._auto_on = on
+                            "available_gib": round(available / 2**30, 1), "layers": n})
+        self._auto_on = bool(n)
         return on
 
     def _routes(self, prepared: list[_Prepared], owners) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:

@@ -333,7 +333,8 @@ def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, 
     calls, allocated = [], [0]
 
     def logprobs(batch, targets, inv=None, routing=None, weights=None):
-        calls.append(worker.checkpointing.active)
+        calls.append(len(worker.checkpointing.active) == len(worker.model.model.layers) or
+                     (False if not worker.checkpointing.active else worker.checkpointing.active))
         if len(calls) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
         allocated[0] += 1000 * batch.num_tokens
@@ -360,3 +361,82 @@ def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, 
         with pytest.raises(torch.cuda.OutOfMemoryError):
             worker._checkpointed_logprobs(batch, keys, None, None, None)
     assert "ran out of memory without it" in caplog.text
+
+
+def test_auto_checkpoints_the_fewest_layers_that_free_enough():
+    """``layers_to_checkpoint`` on Qwen3-Next's shape (8 layers: GDN layers keep ~3.5x what its
+    gated-attention layers keep per token): nothing to free, none; a little, GDN layers first; more
+    than all layers can free, all of them; what it picks always frees the excess, net of the
+    largest chosen layer's recompute."""
+    from bench.common import SHAPES, ember_config
+    from ember.core.checkpointing import checkpoint_order, layer_elements, layers_to_checkpoint
+    from ember.core.models import model_class
+
+    cfg = ember_config(SHAPES["qwen3-next-80b-a3b-8l"])
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    elements = layer_elements(model)
+    gdn = [i for i, t in enumerate(cfg.raw["layer_types"]) if t == "linear_attention"]
+    assert checkpoint_order(model)[: len(gdn)] == gdn  # the layers that keep the most come first
+    tokens, b = 16384, 2  # bf16
+    assert layers_to_checkpoint(model, 0, tokens, b) == []
+    assert layers_to_checkpoint(model, -5, tokens, b) == []
+    assert layers_to_checkpoint(model, 10 << 40, tokens, b) == list(range(8))
+    for excess_gib in (1, 4, 10, 20):
+        excess = excess_gib << 30
+        chosen = layers_to_checkpoint(model, excess, tokens, b)
+        freed = sum((elements[i] - cfg.hidden_size) * tokens * b for i in chosen)
+        assert len(chosen) == 8 or freed - max(elements[i] for i in chosen) * tokens * b >= excess, excess_gib
+        fewer = chosen[:-1]
+        assert len(chosen) == 8 or sum((elements[i] - cfg.hidden_size) * tokens * b for i in fewer) \
+            - max([elements[i] for i in fewer] or [0]) * tokens * b < excess  # the fewest
+    small = layers_to_checkpoint(model, 1 << 30, tokens, b)
+    assert set(small) <= set(gdn) and small
+    # the measured-to-estimated ratio scales what a layer frees: twice the measure, fewer layers
+    assert len(layers_to_checkpoint(model, 20 << 30, tokens, b, scale=2.0)) < len(layers_to_checkpoint(model, 20 << 30, tokens, b))
+
+
+def test_a_pass_checkpointing_some_layers_equals_the_plain_one(model_dirs, monkeypatch):
+    """``auto`` on CUDA may checkpoint a subset of layers: the pass's logprobs and gradients are the
+    plain pass's and only those layers are recomputed."""
+    worker = _worker(model_dirs["qwen3_next"])
+    requests = _requests(worker.config.vocab_size)
+    plain, g_plain, n_plain, _ = _step(worker, "off", requests)
+    monkeypatch.setattr(worker, "_checkpoint_pass", lambda tokens, keys, weights=None: frozenset({0, 2}))
+    some, g_some, n_some, _ = _step(worker, "auto", requests)
+    assert n_plain == 0 and n_some == 2
+    for a, b in zip(plain, some):
+        for x, y in zip(a.logprobs, b.logprobs):
+            np.testing.assert_array_equal(y, x)
+    for s in g_plain:
+        for k, g in g_plain[s].items():
+            torch.testing.assert_close(g_some[s][k], g, atol=1e-6, rtol=1e-6, msg=f"slot {s} {k}")
+
+
+def test_auto_on_cuda_picks_a_subset_when_a_few_layers_suffice(model_dirs):
+    """The worker's decision (CUDA faked): the estimate a little over the available memory gives
+    some layers (in the order of ``checkpoint_order``), far over gives all, under gives none."""
+    import ember.engine.worker as worker_mod
+    from ember.core.checkpointing import HEAD_BYTES, activation_bytes, checkpoint_order
+
+    worker = Worker.from_pretrained(model_dirs["qwen3_next"], "cpu", torch.float32)
+    slot = worker.create_adapter(CONFIGS[0])
+    tokens = 4096
+    need = activation_bytes(worker.model, tokens) + worker.bank.get(slot).flat.numel() * 4
+    layers = len(worker.model.model.layers)
+    orig = worker_mod.available_bytes
+    worker.device = torch.device("cuda")
+    try:
+        decisions = {}
+        for name, avail in (("under", need * 2), ("a little over", int((need - (need - HEAD_BYTES) * 0.3) / 0.85)),
+                            ("far over", 1 << 20)):
+            worker_mod.available_bytes = lambda device, a=avail: a
+            with torch.enable_grad():
+                decisions[name] = worker._checkpoint_pass(tokens, [(slot, True)])
+    finally:
+        worker_mod.available_bytes = orig
+        worker.device = torch.device("cpu")
+    assert decisions["under"] is False and decisions["far over"] is True
+    some = decisions["a little over"]
+    assert isinstance(some, frozenset) and 0 < len(some) < layers, some
+    assert some == set(checkpoint_order(worker.model)[: len(some)])

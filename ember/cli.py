@@ -167,6 +167,10 @@ def _serve(args: argparse.Namespace) -> int:
     storage = args.storage or str(home / "checkpoints")
     database_url = _database_url(args)
     try:
+        if storage.startswith("memory://"):
+            raise ValueError(f"--storage {storage}: fsspec's memory:// lives in one process, and the API and each "
+                             "engine run in processes of their own (on a Ray cluster, machines); use a folder or "
+                             "an fsspec URL they all reach (file:///abs/path, s3://bucket/prefix, ...)")
         client_config = json.loads(args.client_config) if args.client_config else {}
         models = parse_model_flags(args.model or [], home)
         if not args.api_only:
@@ -324,13 +328,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="run each engine's --nproc processes as actors of the Ray cluster at ADDRESS (host:port of "
                        "its head, or auto: the cluster this machine belongs to), one per GPU (one CPU each with "
                        "--device cpu), in one placement group whose tensor-parallel groups never cross nodes; the API "
-                       "process and the engine driver stay on this machine. Model folders and --storage must be "
-                       "readable at the same paths on every node (docs/cluster.md)")
+                       "process and the engine driver stay on this machine. Model folders must be readable at the "
+                       "same paths on every node; --storage is a folder mounted alike on every node (checked at "
+                       "start) or an fsspec URL, which only this machine reads and writes (the actors' checkpoint "
+                       "folders travel through Ray) (docs/cluster.md)")
     serve.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
                        help="recompute each decoder layer's activations in the backward instead of keeping them, "
-                       "for training passes (never sampling or forward-only ones): on, off, or auto: on for a "
-                       "pass whose estimated activations would not fit in the free GPU memory, off on the CPU "
-                       "(default auto)")
+                       "for training passes (never sampling or forward-only ones): on (every layer), off, or auto: "
+                       "in a pass whose estimated activations would not fit in the free GPU memory, the fewest "
+                       "layers that make up the difference; off on the CPU (default auto)")
     serve.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                        help="precision of the sampler's copy of the base attention/MLP projections and routed "
                        "experts (not embeddings, norms, routers or the LM head): bf16 (the model's own weights), "

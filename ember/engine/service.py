@@ -726,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ember.dist.fsdp); needs MoE layers and --nproc > --ep")
     ap.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
                     help="recompute each decoder layer's activations in backward (training passes only): on, "
-                    "off, or auto (the default): on for a pass whose estimated activations would not fit in the "
-                    "free device memory (CUDA; off elsewhere)")
+                    "off, or auto (the default): in a pass whose estimated activations would not fit in the free "
+                    "device memory, the fewest layers that make up the difference (CUDA; off elsewhere)")
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                     help="the sampler's copy of the base projections and routed experts: bf16 (the model's own "
                     "weights), fp8 (e4m3, 128x128 block scales) or mxfp8 (OCP MX, 32-element E8M0 blocks); "

@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                        help="precision of the sampler's copy of the base attention/MLP projections and routed "
                        "experts (not embeddings, norms, routers or the LM head): bf16 (the model's own weights), "
-                       "fp8 (e4m3 with 128x128 block scales; scaled_mm on Hopper: half the bytes, but far slower than "
-                       "bf16 today: the quantised precisions decode without CUDA graphs; else quantise-dequantise) or "
+                       "fp8 (e4m3 with 128x128 block scales; scaled_mm on Hopper: half the bytes, its CUDA-graph decode "
+                       "not yet measured; else quantise-dequantise) or "
                        "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
                        "the model dtype and training keeps the model's weights (default bf16)")
     serve.add_argument("--max-prefill-tokens", type=int, default=16384, metavar="N", help="tokens per sampling step: one decode token per running sequence, the rest for prompts; a longer prompt is prefilled in chunks over several steps while the running sequences keep decoding (dense, MoE, MLA and Gated DeltaNet families; qwen4_exp and Inkling2 prefill whole prompts). Smaller: shorter stalls of the running decodes, a later first token for long prompts (default 16384)")

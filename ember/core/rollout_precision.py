@@ -32,8 +32,10 @@ always kept as a QDQ copy, also under fp8 on CUDA). Under full fine-tuning the c
 trainer: a weight whose storage or version counter changed is quantised again when :func:`sampling`
 is entered.
 
-The static CUDA-graph decoder (:mod:`ember.core.sampling.graphs`) packs the base weights into its
-own tensors and is not used for a precision other than bf16 (the eager decoder runs instead).
+The static CUDA-graph decoder (:mod:`ember.core.sampling.graphs`) decodes with the copies too: a
+module's product goes through its copy, then the decoder's route adds the LoRA delta (the packed
+q/k/v and gate/up GEMMs of bf16 are then one product per module). A copy quantised again bumps
+:func:`version`, and the decoder captures its graphs anew.
 """
 
 from __future__ import annotations
@@ -65,10 +67,19 @@ def check_precision(precision: str) -> str:
 
 
 class _Switch:
-    """Whether the rollout copies of one model are in use (shared by all its copies)."""
+    """Whether the rollout copies of one model are in use (shared by all its copies), and how many
+    times a copy was quantised again since it was made (``version``: a captured CUDA graph that
+    reads the copies is stale once it changes)."""
 
     def __init__(self):
         self.depth = 0
+        self.version = 0
+
+
+def version(model: nn.Module) -> int:
+    """The model's rollout copies' :attr:`_Switch.version` (0 without :func:`attach`)."""
+    switch = model.__dict__.get("_rollout_switch")
+    return switch.version if switch is not None else 0
 
 
 def qdq(w: torch.Tensor, precision: str) -> torch.Tensor:
@@ -155,6 +166,8 @@ class RolloutLinear:
         w = module.weight
         if self.key == _key(w):
             return
+        if self.key is not None:
+            self.switch.version += 1
         self.key = _key(w)
         self.dtype = w.dtype
         N, K = w.shape
@@ -180,7 +193,7 @@ class RolloutLinear:
 
     def product(self, module: LoraLinear, x: torch.Tensor, lora: LoraRoute | None, bias: torch.Tensor | None):
         """``module.product`` with the rollout copy as the base weight."""
-        if self.scaled and x.dim() == 2 and x.shape[0] and (lora is None or isinstance(lora, LoraRoute)):
+        if self.scaled and x.dim() == 2 and x.shape[0]:
             try:
                 y = _scaled_mm_fp8(x, self.q, self.scale_inv, x.dtype)
             except Exception as e:  # noqa: BLE001 - a GPU-only path: fall back to dequantising
@@ -212,10 +225,13 @@ def _scaled_mm_failed(device: torch.device, err: Exception | str) -> None:
     _SCALED_MM_OK[device] = False
 
 
-def _add_lora(lora: LoraRoute | None, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``y`` plus module ``name``'s LoRA correction on each adapter's tokens (no autograd: sampling)."""
+def _add_lora(lora, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` plus module ``name``'s LoRA correction on each adapter's tokens (no autograd: sampling):
+    a :class:`LoraRoute`'s groups here; the static decoder's route adds its own (``add_delta``)."""
     if lora is None:
         return y
+    if not isinstance(lora, LoraRoute):
+        return lora.add_delta(name, x, y)
     for g in lora.groups:
         w = g.adapter.weights.get(name) if g.adapter is not None else None
         if w is None or g.size == 0:
@@ -258,6 +274,8 @@ class RolloutExperts:
         key = (_key(module.gate_up_proj), _key(module.down_proj))
         if self.key == key:
             return
+        if self.key is not None:
+            self.switch.version += 1
         self.key = key
         with torch.no_grad():
             self.gate_up_proj = qdq(module.gate_up_proj.detach(), self.precision)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -303,3 +305,38 @@ def test_flag_reaches_the_engine():
     assert cmd[cmd.index("--rollout-precision") + 1] == "fp8"
     default = EngineSupervisor(None, models, EngineOptions("sqlite://", "/s")).command("m")
     assert default[default.index("--rollout-precision") + 1] == "bf16"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_the_static_decoder_decodes_with_the_rollout_copies(precision, hf_models):
+    """The static (CUDA-graph) decoder multiplies the rollout copies too: its tokens and logprobs
+    are the eager decoder's with the same precision, and a copy quantised again (the weights
+    changed) makes it drop its graphs."""
+    _, path = hf_models["qwen3"]
+    outs = {}
+    for static in (False, True):
+        worker = Worker.from_pretrained(path, "cpu", torch.float32, rollout_precision=precision,
+                                        sampler_config=dataclasses.replace(CFG, static_decode=static))
+        assert (worker.sampler.static is not None) == static
+        slot = _adapter(worker)
+        outs[static] = worker.sample(_requests(slot))
+    for a, b in zip(outs[False], outs[True]):
+        for p, q in zip(a.sequences, b.sequences):
+            np.testing.assert_array_equal(q.tokens, p.tokens)
+            np.testing.assert_allclose(q.logprobs, p.logprobs, atol=1e-5, rtol=0)
+    # and not the bf16 decoder's: the copies were used
+    plain = Worker.from_pretrained(path, "cpu", torch.float32, sampler_config=dataclasses.replace(CFG, static_decode=True))
+    ref = plain.sample(_requests(_adapter(plain)))
+    assert any(not np.allclose(p.logprobs, q.logprobs, atol=1e-3)
+               for a, b in zip(ref, outs[True]) for p, q in zip(a.sequences, b.sequences) if len(p.logprobs) == len(q.logprobs))
+
+    model = worker.model
+    before = rollout_precision.version(model)
+    with rollout_precision.sampling(model):
+        pass  # nothing changed: nothing quantised again
+    assert rollout_precision.version(model) == before
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # as full fine-tuning's step would
+    with rollout_precision.sampling(model):
+        pass
+    assert rollout_precision.version(model) == before + 1

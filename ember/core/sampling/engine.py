@@ -101,7 +101,7 @@ class SamplerConfig:
       on CUDA for dense Llama/Qwen3 models in bf16. ``cuda_graphs``: capture those steps.
     * ``rollout_precision``: ``bf16`` (the model's weights), ``fp8`` or ``mxfp8``: the base projections
       and routed experts run a quantised copy in the sampler's passes only
-      (:mod:`ember.core.rollout_precision`); the static decoder is then not used.
+      (:mod:`ember.core.rollout_precision`), the static decoder's too.
     * ``prefix_sharing``: a prompt beginning with whole KV pages already computed for the same
       adapter weights (another request's prompt, running or finished) reuses those pages and
       prefills only the rest. Families in ``PREFIX_FAMILIES`` only (their layers keep no recurrent
@@ -201,10 +201,6 @@ class SamplingEngine:
         # the sampler's quantised copy of the base weights (bf16: none; removes an earlier one)
         self.rollout_bytes = rollout_precision.attach(model, config.rollout_precision)
         static = config.static_decode
-        if config.rollout_precision != "bf16":
-            # the static decoder multiplies its own packed copies of the base weights
-            # (graphs.PackedLinears), not the rollout copies: decode eagerly
-            static = False
         if static is None:
             static = (
                 self.device.type == "cuda"

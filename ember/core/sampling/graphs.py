@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
@@ -367,7 +368,7 @@ class StaticDecoder:
         self.rope_tables: dict = {}
         self._buffers: dict[int, _Buffers] = {}
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._graph_version = self.stacks.version
+        self._graph_version = (self.stacks.version, rollout_precision.version(model))
         self._pool = None
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
@@ -493,9 +494,10 @@ class StaticDecoder:
         if not self.use_graphs:
             logits, chosen = self._forward(buf, use_lora, head)
             return logits[:n], None, chosen[:, :n]
-        if self.stacks.version != self._graph_version:
+        version = (self.stacks.version, rollout_precision.version(self.model))
+        if version != self._graph_version:  # new stacks, or rollout copies quantised again
             self._graphs.clear()
-            self._graph_version = self.stacks.version
+            self._graph_version = version
         key = (bucket, use_lora, head)
         if key not in self._graphs:
             self._graphs[key] = self._capture(buf, use_lora, head)

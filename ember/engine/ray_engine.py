@@ -157,13 +157,10 @@ class _LocalFolder:
         self.args, self.kwargs = args, kwargs
         self.relayed: _Relayed | None = None
         self._tmp: Path | None = None
-        if name not in FOLDER_ARGS:
+        if not any(isinstance(a, _Relayed) for a in (*args, *kwargs.values())):
             return
-        bound = _bind(name, args, kwargs)
-        relayed = bound.arguments["path"]
-        if not isinstance(relayed, _Relayed):
-            return
-        self.relayed = relayed
+        bound = _bind(name, args, kwargs)  # the driver bound them too: only its path is _Relayed
+        relayed = self.relayed = bound.arguments["path"]
         self._tmp = Path(tempfile.mkdtemp(prefix="ember-relay-"))
         self.local = self._tmp / "folder"
         if relayed.files is not None:
@@ -196,6 +193,7 @@ class RankActor:
     def __init__(self, rank: int, opts: dict):
         self.rank, self.opts = rank, opts
         self.worker = None
+        self._device = torch.device("cpu")  # start() sets the rank's own
         self._detokenize = None
         self._stop = threading.Event()
         from ember.jsonlog import setup_logging
@@ -215,7 +213,6 @@ class RankActor:
 
         from ember.dist.mesh import Parallel
         from ember.engine.service import cpu_threads
-        from ember.engine.sharded import ShardedWorker
 
         o = self.opts
         cuda = o["device"].startswith("cuda")
@@ -266,19 +263,21 @@ class RankActor:
         holds afterwards; the files of a relayed folder it wrote (else None)."""
         if kwargs.get("detokenize") == _DETOKENIZE:
             kwargs = {**kwargs, "detokenize": self._detok}
-        folder = _LocalFolder(name, args, kwargs)
+        folder = None
         try:
             try:
+                folder = _LocalFolder(name, args, kwargs)
                 out = getattr(self.worker, name)(*folder.args, **folder.kwargs)
             except ALIKE as e:
-                return "error", _picklable(folder.error(e)), self.memory(), None
+                return "error", _picklable(folder.error(e) if folder else e), self.memory(), None
             except Exception as e:
                 log.exception("a call failed on this rank", extra={"call": name, "rank": self.rank})
                 _resync(self.worker.parallel, name)  # exits this process where the other ranks did not fail too
-                return "error", _picklable(folder.error(e)), self.memory(), None
+                return "error", _picklable(folder.error(e) if folder else e), self.memory(), None
             return "ok", (folder.result(out) if self.rank == 0 else None), self.memory(), folder.written()
         finally:
-            folder.close()
+            if folder is not None:
+                folder.close()
 
     def get(self, path: Sequence[str], args: tuple | None = None, kwargs: dict | None = None):
         """An attribute of this rank's worker (``path``, dotted), called with ``args`` if given."""
@@ -287,9 +286,7 @@ class RankActor:
             obj = getattr(obj, part)
         if args is None:
             return obj
-        folder = _LocalFolder(path[0], args, kwargs or {}) if len(path) == 1 else None
-        if folder is None:
-            return obj(*args, **(kwargs or {}))
+        folder = _LocalFolder(path[0], args, kwargs or {})
         try:
             return folder.result(obj(*folder.args, **folder.kwargs))
         except Exception as e:  # noqa: BLE001 - raised again, naming the driver's path

@@ -158,11 +158,28 @@ def test_recurrent_state_store():
     assert 3 not in store and 1 in store
     # rows of different lengths (a sequence shorter than a convolution window) are zero-padded
     ragged = store.view([5, 6])
-    ragged.put(1, "h", torch.zeros(2, 3, 1))
-    store._state[5][(1, "h")] = torch.ones(1, 1)
-    assert ragged.get(1, "h").shape == (2, 3, 1)
+    ragged.put(1, "h", torch.full((2, 3, 1), 2.0))
+    store.view([5]).put(1, "h", torch.ones(1, 1, 1))  # a shorter value for 5 alone
+    torch.testing.assert_close(store.view([5, 6]).get(1, "h")[:, :, 0], torch.tensor([[1.0, 0.0, 0.0], [2.0, 2.0, 2.0]]))
+    assert store.view([5]).get(1, "h").shape == (1, 1, 1)  # no longer than the pass's longest value
+    store.view([5]).put(1, "h", torch.ones(1, 4, 1))  # a longer one than any before
+    assert store.view([6, 5]).get(1, "h").shape == (2, 4, 1)
     with pytest.raises(ValueError):
         ragged.put(1, "h", torch.zeros(3, 1))
+    with pytest.raises(ValueError, match="after"):
+        ragged.put(1, "h", torch.zeros(2, 3, 2))  # another shape for the same value
+    # a freed sequence's row goes to the next one, which reads zeros, not the old values
+    store.free(6)
+    store.view([1, 7]).put(0, "conv", torch.tensor([[8.0, 8.0], [9.0, 9.0]]))
+    assert store.view([7, 1]).get(1, "h") is None  # neither has "h"
+    mixed = store.view([7, 5]).get(1, "h")[:, :, 0]  # 7 has the row 6 had: it reads zeros
+    torch.testing.assert_close(mixed, torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]))
+    # many sequences: the slabs grow, earlier rows keep their values
+    store.view(list(range(100, 140))).put(0, "conv", torch.arange(80.0).reshape(40, 2))
+    torch.testing.assert_close(store.view([1, 139, 7]).get(0, "conv"), torch.tensor([[8.0, 8.0], [78.0, 79.0], [9.0, 9.0]]))
+    # 0-d values (one number per sequence)
+    store.view([1, 7]).put(2, "n", torch.tensor([3, 4]))
+    assert store.view([7, 1, 100]).get(2, "n").tolist() == [4, 3, 0]
 
 
 def test_page_reservation():

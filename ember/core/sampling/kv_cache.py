@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
+import numpy as np
 import torch
 
 SCRATCH_PAGE = 0
@@ -263,29 +264,84 @@ class PrefixIndex:
         return len(self.cache._free) - before
 
 
+class _Slab:
+    """One value of every sequence (one ``(layer, name)``): rows of one tensor ``[capacity, *shape]``,
+    and each row's length along the value's first axis (``-1``: no value; values may grow, as QSA's
+    index keys do; a shorter value is stored zero-padded; 0-d values have length 0)."""
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        self.data = like.new_zeros(capacity, *like.shape)
+        self.lengths = np.full(capacity, -1, dtype=np.int64)
+
+    def fit(self, capacity: int, first: int = 0) -> None:
+        """Grow to at least ``capacity`` rows and, for values with axes, a first value axis of at
+        least ``first`` (new entries are zeros)."""
+        old = self.data
+        shape = list(old.shape)
+        shape[0] = max(shape[0], capacity)
+        if old.dim() > 1:
+            shape[1] = max(shape[1], first)
+        if tuple(shape) != tuple(old.shape):
+            self.data = old.new_zeros(shape)
+            self.data[tuple(slice(0, n) for n in old.shape)] = old
+        if len(self.lengths) < shape[0]:
+            self.lengths = np.concatenate([self.lengths, np.full(shape[0] - len(self.lengths), -1, dtype=np.int64)])
+
+
 class RecurrentStateStore:
     """Per-sequence recurrent state of non-attention layers (short-convolution windows, linear
     attention), kept between the passes of decoding sequences; :meth:`view` gives one pass the
-    :class:`~ember.core.models.base.SequenceState` it reads and writes."""
+    :class:`~ember.core.models.base.SequenceState` it reads and writes.
+
+    Each sequence owns a row of every value's slab (:class:`_Slab`), so a pass reads a value with
+    one gather and writes it with one scatter, whatever its number of sequences (a pass used to
+    stack and split per-sequence tensors). Slabs grow by a quarter (16 rows at least) when rows run
+    out; the rows of freed sequences are reused."""
 
     def __init__(self):
-        self._state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+        self._rows: dict[int, int] = {}  # sequence -> its row
+        self._free: list[int] = []
+        self._capacity = 0
+        self._slabs: dict[tuple[int, str], _Slab] = {}
+        self._held: set[int] = set()  # sequences with at least one value
 
     def view(self, seq_ids: list[int]) -> PassState:
         """The state of the sequences of one pass, in packed order."""
         return PassState(self, list(seq_ids))
 
+    def _row(self, seq_id: int) -> int:
+        row = self._rows.get(seq_id)
+        if row is None:
+            if not self._free:
+                grown = max(self._capacity + 16, self._capacity * 5 // 4)
+                self._free = list(range(grown - 1, self._capacity - 1, -1))
+                self._capacity = grown
+            row = self._rows[seq_id] = self._free.pop()
+        return row
+
     def fork(self, src: int, dst: int) -> None:
-        """``dst`` continues from ``src``'s state (values are never modified in place, so sharing
-        the tensors is safe)."""
-        if src in self._state:
-            self._state[dst] = dict(self._state[src])
+        """``dst`` continues from ``src``'s state (a copy of its rows)."""
+        if src not in self._held:
+            return
+        a, b = self._rows[src], self._row(dst)
+        for slab in self._slabs.values():
+            slab.fit(self._capacity)
+            if slab.lengths[a] >= 0:
+                slab.data[b] = slab.data[a]
+            slab.lengths[b] = slab.lengths[a]
+        self._held.add(dst)
 
     def free(self, seq_id: int) -> None:
-        self._state.pop(seq_id, None)
+        row = self._rows.pop(seq_id, None)
+        self._held.discard(seq_id)
+        if row is not None:
+            for slab in self._slabs.values():
+                if row < len(slab.lengths):
+                    slab.lengths[row] = -1
+            self._free.append(row)
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._state
+        return seq_id in self._held
 
 
 class PassState:
@@ -299,27 +355,50 @@ class PassState:
     def __init__(self, store: RecurrentStateStore, seq_ids: list[int]):
         self.store = store
         self.seq_ids = seq_ids
+        # every sequence of the pass gets its row now (a new one's holds no value yet)
+        self.rows = np.array([store._row(s) for s in seq_ids], dtype=np.int64)
+        self._index: dict[torch.device, torch.Tensor] = {}
+
+    def _device_rows(self, device: torch.device) -> torch.Tensor:
+        """The pass's rows as an index on ``device`` (one copy per pass, shared by its layers)."""
+        if device not in self._index:
+            self._index[device] = torch.from_numpy(self.rows).to(device)
+        return self._index[device]
 
     def get(self, layer: int, name: str) -> torch.Tensor | None:
-        key = (layer, name)
-        values = [self.store._state.get(s, {}).get(key) for s in self.seq_ids]
-        present = [v for v in values if v is not None]
-        if not present:
+        slab = self.store._slabs.get((layer, name))
+        if slab is None:
             return None
-        ref = present[0]
-        longest = max(v.shape[0] for v in present) if ref.dim() else 0
-        rows = []
-        for v in values:
-            v = torch.zeros_like(ref) if v is None else v
-            if v.dim() and v.shape[0] < longest:
-                v = torch.cat([v, v.new_zeros(longest - v.shape[0], *v.shape[1:])])
-            rows.append(v)
-        return torch.stack(rows)
+        slab.fit(self.store._capacity)
+        lengths = slab.lengths[self.rows]
+        longest = int(lengths.max()) if len(lengths) else -1
+        if longest < 0:
+            return None
+        out = slab.data.index_select(0, self._device_rows(slab.data.device))
+        if slab.data.dim() > 1:
+            out = out[:, :longest]
+        absent = np.flatnonzero(lengths < 0)
+        if len(absent):  # rows of sequences without a value (a reused row may hold an old one): zeros
+            out[torch.from_numpy(absent).to(out.device)] = 0
+        return out
 
     def put(self, layer: int, name: str, value: torch.Tensor) -> None:
         if value.shape[0] != len(self.seq_ids):
             raise ValueError(
                 f"state {name!r} of layer {layer}: {value.shape[0]} rows for {len(self.seq_ids)} sequences"
             )
-        for s, row in zip(self.seq_ids, value.unbind(0)):
-            self.store._state.setdefault(s, {})[(layer, name)] = row
+        store = self.store
+        key = (layer, name)
+        slab = store._slabs.get(key)
+        if slab is None:
+            slab = store._slabs[key] = _Slab(value[0], store._capacity)
+        elif slab.data.shape[2:] != value.shape[2:] or slab.data.dim() != value.dim() or slab.data.dtype != value.dtype:
+            raise ValueError(f"state {name!r} of layer {layer}: {tuple(value.shape[1:])} {value.dtype} after "
+                             f"{tuple(slab.data.shape[1:])} {slab.data.dtype}")
+        length = int(value.shape[1]) if value.dim() > 1 else 0
+        slab.fit(store._capacity, length)
+        if value.dim() > 1 and length < slab.data.shape[1]:  # zeros beyond this value's length
+            value = torch.cat([value, value.new_zeros(value.shape[0], slab.data.shape[1] - length, *value.shape[2:])], 1)
+        slab.data.index_copy_(0, self._device_rows(value.device), value)
+        slab.lengths[self.rows] = length
+        store._held.update(self.seq_ids)

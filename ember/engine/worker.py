@@ -542,13 +542,9 @@ class Worker:
         # what earlier passes measured beyond the estimate scales what each layer frees
         scale = max(1.0, (need - HEAD_BYTES) / (estimate - HEAD_BYTES)) if estimate > HEAD_BYTES else 1.0
         layers = layers_to_checkpoint(self.model, need - int(AUTO_FRACTION * available), tokens, tp=tp, scale=scale)
-        n = len(layers)
         if parallel is not None and parallel.world > 1:  # every rank must checkpoint the same layers
-            count = torch.tensor([n], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            if int(count.item()) != n:  # another rank needs more: the same order, as many as it needs
-                n = int(count.item())
-                layers = sorted(checkpoint_order(self.model)[:n])
+            layers = agreed_layers(self.model, layers, self.device)
+        n = len(layers)
         on: bool | frozenset[int] = bool(n) if n in (0, len(self.model.model.layers)) else frozenset(layers)
         if n and not self._auto_on:
             log.info("activation checkpointing on: the pass would not fit",
@@ -673,6 +669,16 @@ class Worker:
     def import_peft(self, path: str | Path) -> int:
         """Create an adapter from a PEFT folder; returns its slot."""
         return import_peft(self.bank, path).slot
+
+
+def agreed_layers(model, layers: list[int], device: torch.device) -> list[int]:
+    """The layers every rank of a sharded engine checkpoints, from each rank's own choice
+    (``layers``, a prefix of :func:`~ember.core.checkpointing.checkpoint_order`, sorted): the most
+    any rank needs, in that order (a collective over the default group)."""
+    count = torch.tensor([len(layers)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    n = int(count.item())
+    return layers if n == len(layers) else sorted(checkpoint_order(model)[:n])
 
 
 def _checkpointing(weights: Weights, on: bool):

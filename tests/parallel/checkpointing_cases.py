@@ -89,3 +89,20 @@ def checkpointed_step_matches(rank: int, world: int, model_dir: str, ep: int, tp
         assert torch.equal(fa, fb) and torch.equal(ca, cb)
     assert sum(int(f.sum()) for f, _ in f_plain) > 0  # the replayed sequence's reference differs from live
     _same_grads(g_ckpt, g_plain)
+
+
+def ranks_agree_on_the_layers(rank: int, world: int, model_dir: str):
+    """``auto`` with different free memory on each rank: every rank checkpoints the layers of the
+    rank that needs the most, in the same order; none when no rank needs any."""
+    from ember.core.checkpointing import checkpoint_order
+    from ember.engine.worker import agreed_layers
+
+    worker = ShardedWorker.from_pretrained(model_dir, Parallel(world), "cpu", torch.float32)
+    order = checkpoint_order(worker.model)
+    layers = len(order)
+    assert layers >= 2
+    cases = [([], []), (sorted(order[:1]), []), ([], sorted(order[:2])), (sorted(order[:1]), list(range(layers)))]
+    for mine, theirs in cases:
+        want = max((mine, theirs), key=len)
+        got = agreed_layers(worker.model, mine if rank == 0 else theirs, torch.device("cpu"))
+        assert got == want, (rank, mine, theirs, got)

@@ -15,3 +15,9 @@ def test_qwen3_moe_tp2(qwen3_moe_dir):
     """Tensor + sequence parallelism: the token mixers' gathers and reduce-scatters run again, over
     the pass's token split, and the routing record's gathers (ShardedRouting) do not."""
     run(2, checkpointing_cases.checkpointed_step_matches, qwen3_moe_dir, 1, 2)
+
+
+def test_ranks_agree_on_the_layers_to_checkpoint(qwen3_moe_dir):
+    """``auto`` decides per rank from its own free memory; the ranks then take the most layers any
+    of them needs (the recompute's collectives must meet on every rank)."""
+    run(2, checkpointing_cases.ranks_agree_on_the_layers, qwen3_moe_dir)

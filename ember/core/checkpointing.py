@@ -353,10 +353,11 @@ def activation_bytes(model: CausalLM, tokens: int, dtype_bytes: int | None = Non
     return int(tokens * sum(layer_elements(model)) * dtype_bytes / max(tp, 1)) + HEAD_BYTES
 
 
-def checkpoint_order(model: CausalLM) -> list[int]:
+def checkpoint_order(model: CausalLM, elements: list[int] | None = None) -> list[int]:
     """The order in which ``auto`` adds layers to checkpoint: most kept per token first, ties by
-    index (the same on every rank of a sharded engine)."""
-    elements = layer_elements(model)
+    index (the same on every rank of a sharded engine). ``elements``: :func:`layer_elements`
+    of ``model`` if already computed."""
+    elements = layer_elements(model) if elements is None else elements
     return sorted(range(len(elements)), key=lambda i: (-elements[i], i))
 
 
@@ -375,10 +376,9 @@ def layers_to_checkpoint(model: CausalLM, excess: int, tokens: int, dtype_bytes:
     per_token = dtype_bytes * scale * tokens / max(tp, 1)
     kept = model.config.hidden_size * int(getattr(model.model, "streams", 1))
     elements = layer_elements(model)
-    order = checkpoint_order(model)
     chosen: list[int] = []
     freed = 0.0
-    for i in order:
+    for i in checkpoint_order(model, elements):
         chosen.append(i)
         freed += max(elements[i] - kept, 0) * per_token
         if freed - elements[chosen[0]] * per_token >= excess:

@@ -22,6 +22,7 @@ takes memory a sequence needs.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
@@ -355,9 +356,13 @@ class PassState:
     def __init__(self, store: RecurrentStateStore, seq_ids: list[int]):
         self.store = store
         self.seq_ids = seq_ids
-        # every sequence of the pass gets its row now (a new one's holds no value yet)
-        self.rows = np.array([store._row(s) for s in seq_ids], dtype=np.int64)
         self._index: dict[torch.device, torch.Tensor] = {}
+
+    @functools.cached_property
+    def rows(self) -> np.ndarray:
+        """The pass's rows, given at its first read or write of a value (a new sequence's holds no
+        value yet; a pass of a model without recurrent layers gives none)."""
+        return np.array([self.store._row(s) for s in self.seq_ids], dtype=np.int64)
 
     def _device_rows(self, device: torch.device) -> torch.Tensor:
         """The pass's rows as an index on ``device`` (one copy per pass, shared by its layers)."""
@@ -369,8 +374,9 @@ class PassState:
         slab = self.store._slabs.get((layer, name))
         if slab is None:
             return None
+        rows = self.rows  # first: a new sequence's row may grow the capacity
         slab.fit(self.store._capacity)
-        lengths = slab.lengths[self.rows]
+        lengths = slab.lengths[rows]
         longest = int(lengths.max()) if len(lengths) else -1
         if longest < 0:
             return None
@@ -388,6 +394,7 @@ class PassState:
                 f"state {name!r} of layer {layer}: {value.shape[0]} rows for {len(self.seq_ids)} sequences"
             )
         store = self.store
+        rows = self.rows  # first: a new sequence's row may grow the capacity
         key = (layer, name)
         slab = store._slabs.get(key)
         if slab is None:
@@ -400,5 +407,5 @@ class PassState:
         if value.dim() > 1 and length < slab.data.shape[1]:  # zeros beyond this value's length
             value = torch.cat([value, value.new_zeros(value.shape[0], slab.data.shape[1] - length, *value.shape[2:])], 1)
         slab.data.index_copy_(0, self._device_rows(value.device), value)
-        slab.lengths[self.rows] = length
+        slab.lengths[rows] = length
         store._held.update(self.seq_ids)

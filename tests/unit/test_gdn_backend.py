@@ -33,3 +33,56 @@ def test_a_layer_with_the_torch_backend_requested_equals_the_default_on_the_cpu(
     layer.backend = "fla"
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         layer(x, ForwardContext(**ctx))
+
+
+def _fla_naive(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """fla-core 0.4.2's ``(fused_recurrent|chunk)_gated_delta_rule`` contract, token by token in
+    fp64: ``q, k`` ``[1|N, T, H, K]``, ``g, beta`` ``[.., T, H]``, states ``[N, H, K, V]``, the
+    decays ``gk``/``gv`` between ``g`` and ``beta`` in the recurrent form's positional order."""
+    assert gk is None and gv is None and g is not None and beta is not None
+    if cu_seqlens is None:  # one row per sequence
+        rows = [(i, 0, q.shape[1]) for i in range(q.shape[0])]
+    else:
+        assert q.shape[0] == 1 and "cu_seqlens_cpu" in kwargs
+        cu = cu_seqlens.tolist()
+        rows = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    dtype = v.dtype
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = gd.l2norm(q), gd.l2norm(k)
+    o = torch.zeros_like(v)
+    finals = []
+    for n, (b, lo, hi) in enumerate(rows):
+        h = (initial_state[n].double() if initial_state is not None
+             else q.new_zeros(q.shape[2], q.shape[3], v.shape[3]))
+        for t in range(lo, hi):
+            h = h * g[b, t].exp()[:, None, None]
+            delta = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", h, k[b, t]))
+            h = h + torch.einsum("hk,hv->hkv", k[b, t], delta)
+            o[b, t] = torch.einsum("hkv,hk->hv", h, q[b, t] * scale)
+        finals.append(h)
+    return o.to(dtype), (torch.stack(finals).float() if output_final_state else None)
+
+
+def test_the_fla_call_follows_fla_s_signatures_and_layouts(monkeypatch):
+    """Ember's call of fla (prefill of packed sequences with initial states, then one decode
+    token each) against the torch rule, with fla's kernels replaced by its contract in fp64."""
+    monkeypatch.setattr(gd, "_fla_ops", lambda: (_fla_naive, _fla_naive))
+    torch.manual_seed(0)
+    H, dk, dv, lens = 4, 8, 6, [5, 9, 3]
+    T = sum(lens)
+
+    def inputs(t):
+        return (torch.randn(t, H, dk), torch.randn(t, H, dk), torch.randn(t, H, dv),
+                -torch.rand(t, H), torch.rand(t, H))
+
+    h0 = torch.randn(len(lens), H, dk, dv)
+    q, k, v, g, beta = inputs(T)
+    o, final = gd.fla_gated_delta_rule(q, k, v, g, beta, lens, h0, True)
+    ref_o, ref_final = gd.chunk_gated_delta_rule(gd.l2norm(q) * dk**-0.5, gd.l2norm(k), v, g, beta, lens, h0)
+    assert torch.allclose(o, ref_o, atol=1e-5) and torch.allclose(final, ref_final, atol=1e-5)
+    q, k, v, g, beta = inputs(len(lens))
+    o, state = gd.fla_gated_delta_rule(q, k, v, g, beta, [1] * len(lens), final, True)
+    ref_o, ref_state = gd.recurrent_gated_delta_rule(gd.l2norm(q) * dk**-0.5, gd.l2norm(k), v, g, beta, ref_final)
+    assert torch.allclose(o, ref_o, atol=1e-5) and torch.allclose(state, ref_state, atol=1e-5)

@@ -211,14 +211,16 @@ def fla_gated_delta_rule(
     chunk, recurrent = _fla_ops()
     scale = q.shape[-1] ** -0.5
     if initial_state is not None and max(seq_lens) == 1:
+        # by keyword: fla's recurrent kernel also takes per-key and per-value decays (gk, gv)
+        # between g and beta
         o, final = recurrent(
-            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
+            q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], scale=scale,
             initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
         )
         return o[:, 0], final
     cu_cpu = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
     o, final = chunk(
-        q[None], k[None], v[None], g[None], beta[None], scale=scale,
+        q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu,
     )

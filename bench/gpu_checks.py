@@ -7,6 +7,7 @@
   GPU time of each (CUDA graphs of repeated calls, timed with CUDA events) against the bytes read
 * paged decode attention (flash-decoding kernel) vs the reference, with its time and bandwidth
 * the sampling kernel (plain rows) vs the fp64 PyTorch draw, with its time
+* the LM head padded to aligned rows (Olmo 3's vocabulary) vs fp64, and its time padded and not
 * the Gated DeltaNet rule through fla (bf16, chunked over packed sequences with initial states,
   and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
   a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout
@@ -257,6 +258,54 @@ def check_tempered_logprobs() -> None:
         (ref * g.double()).sum().backward()
         report(f"tempered logprobs cap={cap}", rel(lp, ref), 1e-5)
         report(f"tempered logprobs grad cap={cap}", rel(gh, h64.grad), 1e-2)
+
+
+def check_aligned_head() -> None:
+    """The LM head of a vocabulary that is not a multiple of 64 (Olmo 3's 100,278), padded for
+    cuBLAS (``logprobs.aligned_head``) against fp64 (values and gradients, frozen and trained
+    head), and the time of a forward + backward padded and not."""
+    from ember.core import logprobs
+    from ember.core.logprobs import token_logprobs
+
+    torch.manual_seed(0)
+    V, K = 100278, 1
+    for T, H, trained in ((512, 1024, False), (512, 1024, True)):
+        h = (torch.randn(T, H, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+        w = (torch.randn(V, H, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_(trained)
+        t = torch.randint(0, V, (T, K), device="cuda")
+        g = torch.randn(T, K, device="cuda")
+        lp = token_logprobs(h, w, t, chunk=128)
+        (lp * g).sum().backward()
+        h64 = h.detach().double().requires_grad_(True)
+        w64 = w.detach().double().requires_grad_(trained)
+        ref = torch.log_softmax(h64 @ w64.T, -1).gather(1, t)
+        (ref * g.double()).sum().backward()
+        report(f"aligned head logprobs (trained={trained})", rel(lp, ref), 1e-5)
+        report(f"aligned head grad hidden (trained={trained})", rel(h.grad, h64.grad), 1e-2)
+        if trained:
+            report("aligned head grad weight", rel(w.grad, w64.grad), 1e-2)
+    T, H = 16384, 4096  # an Olmo 3 step's tokens and width
+    h = (torch.randn(T, H, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(V, H, device="cuda") * 0.02).to(torch.bfloat16)
+    t = torch.randint(0, V, (T, 1), device="cuda")
+    pads = logprobs._pads_head
+    for name, rule in (("padded", pads), ("unpadded", lambda weight: False)):
+        logprobs._pads_head = rule
+
+        def step():
+            token_logprobs(h, w, t).sum().backward()
+
+        step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"  LM head logprobs {T} tokens x {H} -> {V}, forward+backward, {name}: "
+              f"{start.elapsed_time(end) / 5:.1f} ms")
+    logprobs._pads_head = pads
 
 
 def check_paged_decode() -> None:
@@ -527,6 +576,18 @@ def check_gdn() -> None:
         outs[backend] = ys
     for i, n in enumerate(["prefill", "decode 1", "decode 2"]):
         report(f"gdn layer fla vs torch {n}", rel(outs["fla"][i], outs["torch"][i]), 2.5e-2)
+
+    # a training pass of the layer (no state: fla's fused conv + SiLU), output and input gradient
+    dy = torch.randn(T, 1024, device=dev, dtype=bf)
+    grads = {}
+    for backend in ("fla", "torch"):
+        layer.backend = backend
+        xg = x.clone().requires_grad_(True)
+        y = layer(xg, ForwardContext(positions=pos, attend=None, seq_lens=lens))
+        (y.float() * dy.float()).sum().backward()
+        grads[backend] = (y.detach(), xg.grad)
+    report("gdn layer fla vs torch training pass out", rel(grads["fla"][0], grads["torch"][0]), 2.5e-2)
+    report("gdn layer fla vs torch training pass dx", rel(grads["fla"][1], grads["torch"][1]), 2.5e-2)
     layer.backend = None
 
     # time at 8k tokens (4 x 2048), the anchor's layout (perf_anchors: 0.47 ms fwd / 1.44 ms bwd)
@@ -564,6 +625,7 @@ CHECKS = {
     "grouped": lambda: check_grouped(),
     "fused": lambda: check_fused_kernels(),
     "tempered": lambda: check_tempered_logprobs(),
+    "head": lambda: check_aligned_head(),
     "paged_decode": lambda: check_paged_decode(),
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),

@@ -21,6 +21,12 @@ row's local log-sum-exp and local target logit gives the global ones; the softma
 logits under the global log-sum-exp is the local part of ``p``, so ``d logits`` stays local and
 ``d hidden`` (and the head LoRA's ``d(hA)``) are partial sums, added once in the backward. No
 process ever holds a row of logits over the whole vocabulary.
+
+Alignment. On CUDA a head whose rows are not a multiple of :data:`HEAD_ALIGN` (Olmo 3's 100,278)
+is padded with zero rows for the products: a row of logits (and of ``p``) then starts on a
+16-byte boundary, which cuBLAS's Hopper kernels need (unaligned, it falls back to a CUTLASS sm80
+kernel, 111 ms of an Olmo 3 step). The padded columns are never read: logits are views of the
+first ``V`` columns, and ``p``'s padded columns are zero.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from ember.core.layers.lora import LoraRoute
 CHUNK_ELEMENTS = 1 << 28
 # LM-head rows gathered at once for the targets' gradient (fp32: 256 MiB)
 GATHER_ELEMENTS = 1 << 26
+# the head's rows are padded to a multiple of this for its products on CUDA (see the module doc)
+HEAD_ALIGN = 64
 
 
 class VocabSplit(Protocol):
@@ -88,11 +96,29 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return (a @ b).to(acc)
 
 
-def chunk_logits(h, weight, lora_parts, c0, c1):
+def _pads_head(weight: torch.Tensor) -> bool:
+    return weight.is_cuda and weight.shape[0] % HEAD_ALIGN != 0
+
+
+def aligned_head(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with zero rows added up to a multiple of :data:`HEAD_ALIGN` where its products
+    need it (CUDA), else ``weight`` itself."""
+    if not _pads_head(weight):
+        return weight
+    padded = weight.new_zeros(-(-weight.shape[0] // HEAD_ALIGN) * HEAD_ALIGN, weight.shape[1])
+    padded[: weight.shape[0]] = weight
+    return padded
+
+
+def chunk_logits(h, weight, lora_parts, c0, c1, rows: int | None = None):
     """Raw (uncapped) logits of tokens ``[c0, c1)`` in accumulation precision; ``lora_parts`` are
-    ``(start, end, scale·hA, B)`` LM-head corrections (:func:`head_lora_parts`)."""
+    ``(start, end, scale·hA, B)`` LM-head corrections (:func:`head_lora_parts`). ``rows``: the
+    vocabulary of a padded ``weight`` (:func:`aligned_head`); the logits are a view of its first
+    ``rows`` columns."""
     acc = _acc_dtype(h)
     logits = _mm_acc(h[c0:c1], weight.T, acc)
+    if rows is not None:
+        logits = logits[:, :rows]
     for start, end, hA, B in lora_parts:
         s, e = max(start, c0), min(end, c1)
         if s < e:
@@ -124,16 +150,20 @@ def scaled_softmax(
     softcap: float | None,
     dtype: torch.dtype,
     inv_t: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
-    """``row_scale[:, None] * softmax(z · inv_t) ⊙ f`` (see module doc) in ``dtype``."""
+    """``row_scale[:, None] * softmax(z · inv_t) ⊙ f`` (see module doc) in ``dtype``; ``width``: that
+    many columns, the ones past the vocabulary zero (for a padded head's products)."""
     if fused.use_triton(logits) and logits.dtype == torch.float32:
-        return fused.scaled_softmax(logits, lse, row_scale, softcap, dtype, inv_t)
+        return fused.scaled_softmax(logits, lse, row_scale, softcap, dtype, inv_t, width)
     z, f = apply_softcap(logits, softcap)
     if inv_t is not None:
         z = z * inv_t[:, None].to(z.dtype)
     p = torch.exp(z - lse[:, None]) * row_scale[:, None]
     if f is not None:
         p = p * f
+    if width is not None:
+        p = torch.nn.functional.pad(p, (0, width - p.shape[1]))
     return p.to(dtype)
 
 
@@ -183,21 +213,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
         pw = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if precompute else None
         f_t = torch.ones(targets.shape, dtype=acc, device=hidden.device) if precompute else None
         ones = torch.ones(T, dtype=acc, device=hidden.device) if precompute else None
+        V, head = weight.shape[0], aligned_head(weight)
+        width = head.shape[0] if head is not weight else None
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             it = None if inv_t is None else inv_t[c0:c1]
-            logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
+            logits = chunk_logits(hidden, head, lora_parts, c0, c1, V)
             zt, ft = _gathered(logits, targets[c0:c1], softcap, it, None if mine is None else mine[c0:c1])
             lse[c0:c1], zt = _global_lse(row_logsumexp(logits, softcap, it), zt, vocab)
             out[c0:c1] = zt - lse[c0:c1, None]
             if precompute:
                 scale = ones[c0:c1] if it is None else it.to(acc)
-                p = scaled_softmax(logits, lse[c0:c1], scale, softcap, hidden.dtype, it)
-                pw[c0:c1] = _mm_acc(p, weight, acc)
+                p = scaled_softmax(logits, lse[c0:c1], scale, softcap, hidden.dtype, it, width)
+                pw[c0:c1] = _mm_acc(p, head, acc)
                 if ft is not None:
                     f_t[c0:c1] = ft
                 del p
             del logits  # free this chunk before the next is computed
+        del head
         ctx.precompute = precompute
         if precompute:
             ctx.save_for_backward(weight, targets, pw, f_t)
@@ -233,21 +266,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_lora = [torch.zeros_like(t, dtype=acc) for t in lora_tensors]
         T = hidden.shape[0]
         grad_out = grad_out.to(acc)
+        V, head = weight.shape[0], aligned_head(weight)
+        width = head.shape[0] if head is not weight else None
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             it = None if ctx.inv_t is None else ctx.inv_t[c0:c1]
-            logits = chunk_logits(hidden, weight, lora_parts, c0, c1)
+            logits = chunk_logits(hidden, head, lora_parts, c0, c1, V)
             g = grad_out[c0:c1]
             tgt = targets[c0:c1]
             ft = _gathered(logits, tgt, softcap, it, None if ctx.mine is None else ctx.mine[c0:c1])[1]
             row = -g.sum(-1) if it is None else -g.sum(-1) * it.to(acc)
-            d = scaled_softmax(logits, lse[c0:c1], row, softcap, hidden.dtype, it)
+            d_head = scaled_softmax(logits, lse[c0:c1], row, softcap, hidden.dtype, it, width)
             del logits
+            d = d_head[:, :V]  # d_head's padded columns stay zero
             d.scatter_add_(1, tgt, (g if ft is None else g * ft).to(d.dtype))
             if need_h:
-                grad_h[c0:c1] = d @ weight
+                grad_h[c0:c1] = d_head @ head
             if need_w:
-                grad_w += _mm_acc(d.T, hidden[c0:c1], acc)
+                grad_w += _mm_acc(d_head.T, hidden[c0:c1], acc)[:V]
             for i, (start, end, hA, B) in enumerate(lora_parts):
                 s, e = max(start, c0), min(end, c1)
                 if s >= e:
@@ -255,7 +291,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ds = d[s - c0 : e - c0]
                 grad_lora[2 * i][s - start : e - start] = _mm_acc(ds.to(B.dtype), B, acc)
                 grad_lora[2 * i + 1] += _mm_acc(ds.T.to(hA.dtype), hA[s - start : e - start], acc)
-            del d
+            del d, d_head
         if ctx.vocab is not None:
             # d hidden and each head LoRA's d(hA) are partial sums over the vocabulary's parts;
             # d W and the LoRA B's are this process's rows

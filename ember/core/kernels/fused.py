@@ -176,10 +176,14 @@ def row_logsumexp(logits: torch.Tensor, softcap: float | None, inv_t: torch.Tens
     return lse
 
 
-def scaled_softmax(logits, lse, row_scale, softcap, dtype, inv_t: torch.Tensor | None = None) -> torch.Tensor:
-    """``row_scale * exp(z * inv_t - lse) * (1 - tanh²)`` with ``z = softcap(logits)``, written in ``dtype``."""
+def scaled_softmax(logits, lse, row_scale, softcap, dtype, inv_t: torch.Tensor | None = None,
+                   width: int | None = None) -> torch.Tensor:
+    """``row_scale * exp(z * inv_t - lse) * (1 - tanh²)`` with ``z = softcap(logits)``, written in
+    ``dtype``; ``width``: the output's columns (those past ``V`` zero)."""
     C, V = logits.shape
-    out = torch.empty((C, V), dtype=dtype, device=logits.device)
+    out = torch.empty((C, width or V), dtype=dtype, device=logits.device)
+    if width is not None:
+        out[:, V:] = 0
     t = lse if inv_t is None else inv_t.float().contiguous()
     _scaled_softmax[(C,)](logits, lse.contiguous(), row_scale.float().contiguous(), t, out, logits.stride(0),
                           out.stride(0), V, float(softcap or 1.0), HAS_CAP=softcap is not None,

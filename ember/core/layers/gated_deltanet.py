@@ -15,8 +15,9 @@ of one token per sequence uses the recurrent form. Between passes the layer keep
 Two implementations of the rule (:func:`gdn_backend`): ``torch`` — the functions below, in fp32
 (the CPU path and the reference); ``fla`` — flash-linear-attention's Triton kernels
 (``fla-core``, an optional GPU dependency: ``chunk_gated_delta_rule`` over ``cu_seqlens`` for
-training and prefill, ``fused_recurrent_gated_delta_rule`` for decoding), used on CUDA for bf16 and
-fp16 models when it is installed. fla takes the bf16 q/k/v (q and k repeated to the value heads,
+training and prefill, ``fused_recurrent_gated_delta_rule`` for decoding, and ``causal_conv1d``
+with the SiLU fused for the short convolution of a pass without carried state), used on CUDA for
+bf16 and fp16 models when it is installed. fla takes the bf16 q/k/v (q and k repeated to the value heads,
 as for the torch path), normalises q and k in the kernel and keeps the state in fp32;
 ``bench/gpu_checks.py gdn`` compares it with the torch path. fla-core 0.4.2 is the version to
 install: from 0.5 on, fla refuses the gated backward on Hopper with Triton 3.4 to 3.7.0 (fla
@@ -168,14 +169,32 @@ def recurrent_gated_delta_rule(
 
 @cache
 def _fla_ops():
-    """fla's ``(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)``, or ``None`` where
-    ``fla-core`` (or Triton) is not installed."""
+    """fla's ``(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, causal_conv1d)``, or
+    ``None`` where ``fla-core`` (or Triton) is not installed."""
     try:
+        from fla.modules.conv import causal_conv1d as conv
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
     except ImportError:
         return None
-    return chunk, recurrent
+    return chunk, recurrent, conv
+
+
+def _cu_seqlens(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens`` of packed sequences on ``device`` and its host copy (fla reads the host
+    copy for its chunk indices, so a pass needs no device-to-host sync)."""
+    cu_cpu = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
+    return cu_cpu.to(device, non_blocking=True), cu_cpu
+
+
+def fla_silu_conv(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """``silu(causal_conv(x))`` of packed ``x`` ``[T, C]`` (``weight`` ``[C, K]``) through fla's
+    Triton kernel, for a pass that carries no state (training, scoring): one kernel forward and
+    one backward, the activation fused, instead of a gather, a transposed ``conv1d`` and a
+    gather back."""
+    cu, cu_cpu = _cu_seqlens(seq_lens, x.device)
+    y, _ = _fla_ops()[2](x[None], weight, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    return y[0]
 
 
 def gdn_backend(x: torch.Tensor, requested: str | None = None) -> str:
@@ -208,7 +227,7 @@ def fla_gated_delta_rule(
     ``initial_state`` ``[N, H, dk, dv]`` fp32 or ``None``. One token per sequence with a state
     takes the recurrent kernel. Returns ``o`` ``[T, H, dv]`` (``v``'s dtype) and the final fp32
     state (``None`` unless ``output_final_state``)."""
-    chunk, recurrent = _fla_ops()
+    chunk, recurrent, _ = _fla_ops()
     scale = q.shape[-1] ** -0.5
     if initial_state is not None and max(seq_lens) == 1:
         # by keyword: fla's recurrent kernel also takes per-key and per-value decays (gk, gv)
@@ -218,11 +237,11 @@ def fla_gated_delta_rule(
             initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
         )
         return o[:, 0], final
-    cu_cpu = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
+    cu, cu_cpu = _cu_seqlens(seq_lens, q.device)
     o, final = chunk(
         q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
     )
     return o[0], final
 
@@ -289,9 +308,13 @@ class GatedDeltaNet(nn.Module):
         seq_lens = ctx.seq_lens or [T]
         state = ctx.state
         qkv, z, b, a = self._project(x, ctx.lora)
-        conv_history = state.get(self.layer, "conv") if state is not None else None
-        qkv, conv_history = causal_conv(qkv, self.conv1d.weight[:, 0], seq_lens, conv_history)
-        qkv = F.silu(qkv).to(x.dtype)
+        backend = gdn_backend(x, self.backend)
+        if backend == "fla" and state is None:
+            qkv = fla_silu_conv(qkv, self.conv1d.weight[:, 0], seq_lens)
+        else:
+            conv_history = state.get(self.layer, "conv") if state is not None else None
+            qkv, conv_history = causal_conv(qkv, self.conv1d.weight[:, 0], seq_lens, conv_history)
+            qkv = F.silu(qkv).to(x.dtype)
         q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         r = s.num_v_heads // s.num_k_heads  # value head j reads key head j // r
         q = q.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1)
@@ -300,7 +323,7 @@ class GatedDeltaNet(nn.Module):
         recurrent = state.get(self.layer, "recurrent") if state is not None else None
         f = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 models)
         g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias)
-        if gdn_backend(x, self.backend) == "fla":
+        if backend == "fla":
             o, recurrent = fla_gated_delta_rule(q, k, v, g, b.sigmoid(), seq_lens, recurrent, state is not None)
         else:
             q, k = l2norm(q.to(f)) * s.head_k_dim**-0.5, l2norm(k.to(f))

@@ -432,3 +432,26 @@ def test_flex_attention_forward_matches_eager_on_cpu():
                 q, k, v, profiles, sinks, spec, 0.3
             )
         torch.testing.assert_close(flex, eager, atol=1e-5, rtol=0)
+
+
+def test_one_compiled_block_mask_serves_every_window():
+    """The window is a tensor input of the mask, not a constant Dynamo guards on: building the
+    masks of a sliding and a global layer compiles once (on the GPU each window compiled
+    create_block_mask and flex_attention again, seen with TORCH_LOGS=recompiles)."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ember.core.layers.relative_attention import window_mask
+
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 96]))
+    T = doc.shape[0]
+    counter = CompileCounter()
+    build = torch.compile(create_block_mask, backend=counter)
+    masks = {w: build(window_mask(doc, w), None, None, T, T, device="cpu") for w in (5, 9, None)}
+    assert counter.frame_count == 1
+    qi, kv = torch.meshgrid(torch.arange(T), torch.arange(T), indexing="ij")
+    for w, mask in masks.items():
+        dense = mask.to_dense()[0, 0].bool()  # [T/128, T/128] blocks touched
+        want = (qi >= kv) & (doc[qi] == doc[kv]) & ((qi - kv < w) if w is not None else True)
+        blocks = want.reshape(T // 128, 128, T // 128, 128).any(3).any(1)
+        assert torch.equal(dense, blocks), w

@@ -113,6 +113,20 @@ def flex_available() -> bool:
     return True
 
 
+def window_mask(doc: torch.Tensor, window: int | None):
+    """FlexAttention ``mask_mod`` of packed documents (``doc`` ``[T]``, each token's document):
+    causal, within a document, fewer than ``window`` keys back (``None``: no limit). The window is
+    a tensor in the closure, not a Python int: Dynamo guards on a closed-over int's value, so every
+    distinct window (Inkling2's sliding and global layers) compiled the mask and the attention
+    again; a tensor is an input, and one compilation serves them all."""
+    limit = torch.tensor(doc.shape[0] if window is None else window, device=doc.device)
+
+    def mask_mod(b, h, qi, kv):
+        return (qi >= kv) & (doc[qi] == doc[kv]) & (qi - kv < limit)
+
+    return mask_mod
+
+
 class PackedRelativeAttention:
     """Relative-bias attention over a packed batch of documents (training, scoring, prefill from
     position 0). One object per forward pass: it caches the block masks of the pass."""
@@ -150,17 +164,10 @@ class PackedRelativeAttention:
             from torch.nn.attention.flex_attention import create_block_mask
 
             doc = self.doc_ids
-
-            def mask_mod(b, h, qi, kv):
-                ok = (qi >= kv) & (doc[qi] == doc[kv])
-                if window is not None:
-                    ok = ok & (qi - kv < window)
-                return ok
-
             T = doc.shape[0]
             compile_mask = self.compiled and doc.device.type == "cuda"
             self._block_masks[window] = create_block_mask(
-                mask_mod, None, None, T, T, device=doc.device, _compile=compile_mask
+                window_mask(doc, window), None, None, T, T, device=doc.device, _compile=compile_mask
             )
         return self._block_masks[window]
 

@@ -74,6 +74,7 @@ class _Switch:
     def __init__(self):
         self.depth = 0
         self.version = 0
+        self.modules: list[LoraLinear | Experts] = []  # the modules with a copy (set by attach)
 
 
 def version(model: nn.Module) -> int:
@@ -95,8 +96,9 @@ def qdq(w: torch.Tensor, precision: str) -> torch.Tensor:
     raise ValueError(f"no quantised copy for precision {precision!r}")
 
 
-def _key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    return t.data_ptr(), t._version, tuple(t.shape)
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    """What changes with a weight: its storage (a new tensor) or its version (in place, resize too)."""
+    return t.data_ptr(), t._version
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -320,16 +322,17 @@ def attach(model: nn.Module, precision: str) -> int:
         if isinstance(r, RolloutLinear) and r.scaled and not _SCALED_MM_OK.get(m.weight.device, True):
             r.scaled_failed()
         total += r.nbytes()
+    switch.modules = mods
     log.info("rollout weights attached", extra={"precision": precision, "bytes": total})
     return total
 
 
 def refresh(model: nn.Module) -> None:
-    """Quantise again the copies whose weights changed (full fine-tuning)."""
-    for m in targets(model):
-        r = m.__dict__.get("rollout")
-        if r is not None:
-            r.refresh(m)
+    """Quantise again the copies whose weights changed (full fine-tuning, a load). Runs before
+    every sampler step, so it walks the list :func:`attach` kept, not the model's module tree."""
+    switch = model.__dict__.get("_rollout_switch")
+    for m in switch.modules if switch is not None else ():
+        m.rollout.refresh(m)
 
 
 @contextlib.contextmanager

@@ -857,6 +857,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def event_time_ms(fn, warmup: int, reps: int) -> float:
+    """Mean GPU time of ``fn`` in ms over ``reps`` calls (CUDA events), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def time_steps(fn: Callable[[], None], warmup: int, iters: int) -> list[float]:
     """Wall times (s) of ``iters`` calls of ``fn`` after ``warmup`` calls, synchronised; prints each
     call's time as it ends (a first call's compilation shows there)."""

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import COPY_BANDWIDTH
+from bench.common import COPY_BANDWIDTH, event_time_ms
 from ember.core.adapters import LoraConfig
 from ember.core.config import AttentionSpec, config_from_hf
 from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
@@ -295,16 +295,8 @@ def check_aligned_head() -> None:
         def step():
             token_logprobs(h, w, t).sum().backward()
 
-        step()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            step()
-        end.record()
-        torch.cuda.synchronize()
         print(f"  LM head logprobs {T} tokens x {H} -> {V}, forward+backward, {name}: "
-              f"{start.elapsed_time(end) / 5:.1f} ms")
+              f"{event_time_ms(step, 1, 5):.1f} ms")
     logprobs._pads_head = pads
 
 
@@ -606,16 +598,7 @@ def check_gdn() -> None:
         fwd().backward(do)
 
     for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        print(f"  fla gdn 4 x 2048 tokens, {Hk}/{Hv} heads x {dk}: {name} {start.elapsed_time(end) / 20:.3f} ms")
+        print(f"  fla gdn 4 x 2048 tokens, {Hk}/{Hv} heads x {dk}: {name} {event_time_ms(fn, 3, 20):.3f} ms")
 
 
 CHECKS = {

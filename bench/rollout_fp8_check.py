@@ -9,21 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bench.common import event_time_ms
 from ember.core import rollout_precision as rp
 from ember.core.layers.lora import LoraLinear
 
 
 def _time(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3  # microseconds
+    return event_time_ms(fn, 10, iters) * 1e3  # microseconds
 
 
 def main() -> None:

@@ -8,6 +8,7 @@
 * paged decode attention (flash-decoding kernel) vs the reference, with its time and bandwidth
 * the sampling kernel (plain rows) vs the fp64 PyTorch draw, with its time
 * the LM head padded to aligned rows (Olmo 3's vocabulary) vs fp64, and its time padded and not
+* Qwen3.8-Flash-Next's hyper-connections compiled vs eager, and their time
 * the Gated DeltaNet rule through fla (bf16, chunked over packed sequences with initial states,
   and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
   a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout
@@ -298,6 +299,46 @@ def check_aligned_head() -> None:
         print(f"  LM head logprobs {T} tokens x {H} -> {V}, forward+backward, {name}: "
               f"{event_time_ms(step, 1, 5):.1f} ms")
     logprobs._pads_head = pads
+
+
+def check_hyper_connections() -> None:
+    """Qwen3.8-Flash-Next's hyper-connection read and write compiled (the CUDA path) against the
+    eager functions (outputs and the gradients of x and y, bf16), with the compile time and the
+    GPU time of each at a training step's shape (8 x 2048 tokens, 4 streams x 2560)."""
+    import time
+
+    from ember.core.layers.hyper_connections import GatedResidual
+
+    torch.manual_seed(0)
+    T, H, n, rank = 16384, 2560, 4, 320
+    site = GatedResidual(H, n, rank, 1e-6).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in site.parameters():
+            p.copy_(torch.randn_like(p) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+    x0 = torch.randn(T, n * H, device="cuda", dtype=torch.bfloat16)
+    y0 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(T, n * H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        x, y = x0.clone().requires_grad_(True), y0.clone().requires_grad_(True)
+        read, gates = site.read(x)
+        out = GatedResidual.write(x, y * read, gates)
+        (out.float() * dout.float()).sum().backward()
+        return out.detach(), x.grad, y.grad
+
+    res = {}
+    for compiled in (False, True):
+        GatedResidual.compiled = compiled
+        t0 = time.perf_counter()
+        res[compiled] = step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        ms = event_time_ms(step, 2, 10)
+        print(f"  hyper-connection read + write, forward+backward, {'compiled' if compiled else 'eager'}: "
+              f"{ms:.2f} ms (first call {first:.1f} s)")
+    GatedResidual.compiled = True
+    for i, name in enumerate(("out", "dx", "dy")):
+        report(f"hyper-connections compiled vs eager {name}", rel(res[True][i], res[False][i]), 1e-2)
 
 
 def check_paged_decode() -> None:
@@ -609,6 +650,7 @@ CHECKS = {
     "fused": lambda: check_fused_kernels(),
     "tempered": lambda: check_tempered_logprobs(),
     "head": lambda: check_aligned_head(),
+    "hc": lambda: check_hyper_connections(),
     "paged_decode": lambda: check_paged_decode(),
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),

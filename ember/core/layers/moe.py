@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import MoEConfig
-from ember.core.kernels.grouped import grouped_linear, grouped_wgrad, offsets_from_sizes
+from ember.core.kernels.grouped import grouped_linear, grouped_wgrad
 from ember.core.layers.activations import silu_mul
 from ember.core.layers.lora import LoraRoute
 
@@ -181,6 +181,14 @@ class _CombineRows(torch.autograd.Function):
         return g[token].to(ctx.dtype), None, None, None, None
 
 
+def pair_ends(sorted_key: torch.Tensor, pairs: int) -> torch.Tensor:
+    """Cumulative row ends (int32, ``[pairs]``) of keys ``0 .. pairs-1`` in rows sorted by key: a
+    grouped product's offsets. Found by binary search on the device; ``bincount`` reads its
+    input's maximum back to the host, a sync in every MoE layer (and no CUDA-graph capture)."""
+    bounds = torch.arange(1, pairs + 1, device=sorted_key.device, dtype=sorted_key.dtype)
+    return torch.searchsorted(sorted_key, bounds).to(torch.int32)
+
+
 @dataclass
 class ExpertRows:
     """The (token, k) rows of an MoE layer sorted by (expert, adapter group).
@@ -277,9 +285,9 @@ class Experts(nn.Module):
         group``: row ``i`` is ``x[rows[i]]`` (``rows`` None: ``x`` itself), scaled by ``weight[i]``
         (``inverse``: of ``rows``, when every token has the same number of rows; see :class:`ExpertRows`)."""
         E = self.num_experts
-        pair_sizes = torch.bincount(key, minlength=E * groups)
-        expert_offsets = offsets_from_sizes(pair_sizes.view(E, groups).sum(1), x.device)
-        lora_offsets = expert_offsets if groups == 1 else offsets_from_sizes(pair_sizes, x.device)
+        ends = pair_ends(key, E * groups)
+        expert_offsets = ends if groups == 1 else ends.view(E, groups)[:, -1].contiguous()
+        lora_offsets = ends
 
         def project(inp, rows, in_scale, w, suffix):
             factors = None

@@ -195,7 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
         stability_ttl_s=args.stability_ttl, log_format=resolve_format(args.log_format),
         nproc=args.nproc, ep=args.ep, tp=args.tp, expert_fsdp=args.expert_fsdp,
         activation_checkpointing=args.activation_checkpointing, rollout_precision=args.rollout_precision,
-        max_prefill_tokens=args.max_prefill_tokens,
+        max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup,
         ray=args.ray, full_finetune=args.full_finetune, optimizer_offload=args.optimizer_offload,
         optimizer_device_gib=args.optimizer_device_gib,
     )
@@ -340,11 +340,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                        help="precision of the sampler's copy of the base attention/MLP projections and routed "
                        "experts (not embeddings, norms, routers or the LM head): bf16 (the model's own weights), "
-                       "fp8 (e4m3 with 128x128 block scales; scaled_mm on Hopper: half the bytes, its CUDA-graph decode "
-                       "not yet measured; else quantise-dequantise) or "
+                       "fp8 (e4m3 with 128x128 block scales; scaled_mm on Hopper: half the weight bytes, but at decode "
+                       "batch sizes its blockwise kernel is slower than bf16: 9.8 against 8.7 ms a step for 64 "
+                       "sequences of a Qwen3-8B, docs/performance.md; else quantise-dequantise) or "
                        "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
                        "the model dtype and training keeps the model's weights (default bf16)")
     serve.add_argument("--max-prefill-tokens", type=int, default=16384, metavar="N", help="tokens per sampling step: one decode token per running sequence, the rest for prompts; a longer prompt is prefilled in chunks over several steps while the running sequences keep decoding (dense, MoE, MLA and Gated DeltaNet families; qwen4_exp and Inkling2 prefill whole prompts). Smaller: shorter stalls of the running decodes, a later first token for long prompts (default 16384)")
+    serve.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
+                       help="before an engine serves, run a short training pass and a sample on random tokens, so "
+                       "that the first client does not wait for GPU kernels to be autotuned and compiled (on a fresh "
+                       "machine minutes for the Gated DeltaNet families and Inkling2); `ember status` shows the engine "
+                       "as 'warming up' meanwhile. auto: on CUDA devices (default auto)")
     serve.add_argument("--full-finetune", action="store_true",
                        help="let clients fully fine-tune the served models: create_lora_training_client(base_model, "
                        "rank=0) trains every weight of its own copy of the model (Ember's extension of the Tinker "

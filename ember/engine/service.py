@@ -34,6 +34,7 @@ from ember.doorbell import RESULT_KEY_SETTING, Doorbell, ring_results
 from ember.engine import scheduler
 from ember.engine.full_runs import NoRoom
 from ember.engine.stability import StabilityRecord, StabilityStore, resolve_datum
+from ember.engine.warmup import wants_warm_up, warm_up
 from ember.engine.worker import Worker
 from ember.engine_flags import engine_flag_errors, flag_values
 from ember.jsonlog import setup_logging
@@ -742,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
                     "pinned host memory, or in host memory with what it cannot hold in files under DIR")
     ap.add_argument("--optimizer-device-gib", type=float, default=0.0, metavar="GIB",
                     help="with --optimizer-offload host or disk:DIR: keep up to this many GiB of the optimizer state on the GPU anyway (whole parameters, the first ones), so fewer bytes cross the host link each step (ZeRO-Offload's partial offload; default 0: all of it off the GPU)")
+    ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
+                    help="run a short training pass and a sample before serving, so that the first request "
+                    "does not pay for autotuning and compiling GPU kernels (ember.engine.warmup); auto: on CUDA")
     ap.add_argument("--ray", default=None, metavar="ADDRESS",
                     help="run the --nproc ranks as actors of the Ray cluster at ADDRESS (or auto) "
                     "(ember.engine.ray_engine); this process stays the driver")
@@ -794,6 +798,13 @@ def main(argv: list[str] | None = None) -> int:
         store.engine_ranks(args.base_model, worker.ranks)
     else:
         worker = Worker.from_pretrained(args.model_path, args.device, dtype, **kwargs)
+    if wants_warm_up(args.warmup, args.device):
+        store.engine_ready(args.base_model, "warming up")
+        log.info("warming up: autotuning and compiling the GPU kernels (minutes on a fresh machine)")
+        try:
+            log.info("warm-up done", extra={"seconds": round(warm_up(worker, worker.config.vocab_size), 1)})
+        except Exception as e:  # noqa: BLE001 - an optimisation: serve anyway, the error is logged
+            log.warning("warm-up failed; serving without it", extra={"error": f"{type(e).__name__}: {e}"})
     service = EngineService(
         store, Storage(args.storage), args.base_model, worker, token_budget=args.token_budget,
         gap_timeout_s=args.gap_timeout, model_path=args.model_path, doorbell=doorbell,

@@ -79,6 +79,10 @@ log = logging.getLogger("ember.engine.worker")
 # available device memory (the estimate is within 12 % per layer on the measured shapes; the rest
 # is headroom for the backward's transients and allocator fragmentation)
 AUTO_FRACTION = 0.85
+# the shortest training pass whose memory is measured for those estimates: in a shorter one what
+# does not grow with the tokens (the first pass's cuBLAS workspaces, the head's chunk) would
+# read as a large cost per token and checkpoint later long passes for nothing
+MEASURE_MIN_TOKENS = 1024
 
 
 class _Prepared:
@@ -488,14 +492,15 @@ class Worker:
     def _checkpointed_logprobs(self, batch: PackedBatch, keys: list, targets, inv, routing,
                                weights: Weights | None = None) -> torch.Tensor:
         """:meth:`logprobs` of a pass with its layers checkpointed or not (:meth:`_checkpoint_pass`).
-        On CUDA a training pass run without checkpointing measures what its forward kept per token
-        (what later ``auto`` decisions use when it exceeds the shape's estimate). Under ``auto``, a
+        On CUDA a training pass of at least :data:`MEASURE_MIN_TOKENS` run without checkpointing
+        measures what its forward kept per token (what later ``auto`` decisions use when it exceeds
+        the shape's estimate). Under ``auto``, a
         forward that runs out of memory in one process is run again with checkpointing (nothing has
         reached the gradients yet); a sharded engine's ranks cannot retry alone, so there it fails."""
         weights = weights or self._weights(0)
         tokens = batch.num_tokens
         on = self._checkpoint_pass(tokens, keys, weights)
-        measure = self.device.type == "cuda" and not on and torch.is_grad_enabled()
+        measure = self.device.type == "cuda" and not on and torch.is_grad_enabled() and tokens >= MEASURE_MIN_TOKENS
         before = torch.cuda.memory_allocated(self.device) if measure else 0
         try:
             with _checkpointing(weights, on):

@@ -49,6 +49,7 @@ class EngineOptions:
     optimizer_offload: str = "none"  # none | host | disk:DIR: full fine-tuning's optimizer state
     optimizer_device_gib: float = 0.0  # ... of which this much stays on the GPU anyway (host, disk)
     ray: str | None = None  # a Ray cluster's address (or "auto"): the ranks run as its actors (ember.engine.ray_engine)
+    warmup: str = "auto"  # auto | on | off: a short pass and sample before serving (ember.engine.warmup)
 
 
 class EngineSupervisor:
@@ -76,7 +77,7 @@ class EngineSupervisor:
             "--parent-pid", str(os.getpid()), "--stability-memory-mb", str(o.stability_memory_mb),
             "--stability-disk-mb", str(o.stability_disk_mb), "--stability-ttl", str(o.stability_ttl_s),
             "--activation-checkpointing", o.activation_checkpointing, "--rollout-precision", o.rollout_precision,
-            "--max-prefill-tokens", str(o.max_prefill_tokens),
+            "--max-prefill-tokens", str(o.max_prefill_tokens), "--warmup", o.warmup,
         ]
         if o.dtype:
             cmd += ["--dtype", o.dtype]

@@ -180,7 +180,7 @@ class EngineRecord(Base):
     __tablename__ = "engines"
     base_model: Mapped[str] = mapped_column(String(200), primary_key=True)
     pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    status: Mapped[str] = mapped_column(String(20), default="starting")  # starting | ready | dead
+    status: Mapped[str] = mapped_column(String(20), default="starting")  # starting | warming up | ready | dead
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
     generation: Mapped[int] = mapped_column(Integer, default=0)
     capabilities: Mapped[list] = mapped_column(JSON, default=list)  # e.g. ["train", "sample"]

@@ -324,7 +324,8 @@ def test_the_flag_reaches_the_engine(capsys):
 def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, caplog):
     """One process, ``auto`` on CUDA (faked): a forward that runs out of memory without
     checkpointing runs again with it, and later passes of that size checkpoint from the start;
-    what a pass without checkpointing kept per token raises the estimate. ``on`` does not retry."""
+    what a pass without checkpointing kept per token raises the estimate, if it is not too short
+    to measure. ``on`` does not retry."""
     import ember.engine.worker as worker_mod
 
     worker = Worker.from_pretrained(model_dirs["qwen3"], "cpu", torch.float32)
@@ -354,6 +355,9 @@ def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, 
         assert worker._checkpoint_pass(40, keys)  # the next pass of this size checkpoints at once
         assert not worker._checkpoint_pass(1, keys)  # a small one does not
         worker._kept_per_token = 0.0
+        worker._checkpointed_logprobs(batch, keys, None, None, None)  # fits, but too short to measure
+        assert calls[-1] is False and worker._kept_per_token == 0.0
+        monkeypatch.setattr(worker_mod, "MEASURE_MIN_TOKENS", 40)
         worker._checkpointed_logprobs(batch, keys, None, None, None)  # fits: measures what it kept
         assert calls[-1] is False and worker._kept_per_token == 1000
         calls.clear()

@@ -1,0 +1,71 @@
+"""Running an engine's GPU code paths once before it serves.
+
+On a fresh GPU machine the first pass of some families is slow for reasons that have nothing to
+do with its size: flash-linear-attention autotunes each of its Triton kernels on first use (Gated
+DeltaNet families: 45-175 s on an H200), FlexAttention and ``torch.compile`` compile theirs
+(Inkling2's relative attention: most of a 219 s first step; qwen4_exp's hyper-connections), and the
+sampler compiles its Triton kernels. Without a warm-up the first client's request pays for it and
+may time out.
+
+:func:`warm_up` runs, through the worker's public calls (so a sharded engine's ranks all take
+part), a LoRA training pass at each of :data:`LENGTHS` (two lengths, so that compilers that
+specialise on a first shape build their dynamic-shape variant) and one sampling request with and
+one without the adapter, then frees the adapter. Nothing persists: no optimizer step, no slot
+kept, and passes this short do not feed the activation-memory estimate of ``auto`` checkpointing
+(``ember.engine.worker.MEASURE_MIN_TOKENS``). fla's autotuning keys hold head counts and sizes
+but not the sequence length, so what a short pass tunes serves every pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from ember.core.adapters import LoraConfig
+from ember.types import Datum, ForwardBackwardInput, RequestError, SampleInput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+LENGTHS = (192, 320)  # tokens of the two warm-up training passes
+PROMPT, NEW = 16, 4  # the warm-up sample's prompt and new tokens
+MODES = ("auto", "on", "off")
+
+
+def wants_warm_up(mode: str, device: str) -> bool:
+    """``auto``: on CUDA devices only (the CPU compiles and tunes nothing)."""
+    if mode not in MODES:
+        raise ValueError(f"warm-up must be one of {MODES}, not {mode!r}")
+    return mode == "on" or (mode == "auto" and str(device).startswith("cuda"))
+
+
+def _check(outs: list, what: str) -> None:
+    errors = [out.message for out in outs if isinstance(out, RequestError)]
+    if errors:
+        raise RuntimeError(f"warm-up {what} failed: {errors[0]}")
+
+
+def warm_up(worker, vocab_size: int, lengths: tuple[int, ...] = LENGTHS) -> float:
+    """Run the training and sampling paths of ``worker`` (a :class:`~ember.engine.worker.Worker`
+    or a fan-out of ranks) once on random tokens; returns the seconds it took. Raises if a pass
+    fails: what fails here would fail the first client's request too."""
+    start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    slot = worker.create_adapter(LoraConfig(rank=8, alpha=8.0, targets=frozenset(("attn", "mlp"))))
+    try:
+        for i, n in enumerate(lengths):
+            t0 = time.perf_counter()
+            seq = rng.integers(0, vocab_size, n + 1)
+            datum = Datum(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(n, np.float32)})
+            _check(worker.forward_backward([ForwardBackwardInput(slot, [datum], "cross_entropy")]), "training pass")
+            log.info("warm-up: training pass", extra={"pass": f"{i + 1}/{len(lengths)}", "tokens": n,
+                                                      "seconds": round(time.perf_counter() - t0, 1)})
+        t0 = time.perf_counter()
+        prompt = rng.integers(0, vocab_size, PROMPT)
+        params = SamplingParams(max_tokens=NEW, seed=0)
+        _check(worker.sample([SampleInput(slot, prompt, params), SampleInput(0, prompt, params)]), "sample")
+        log.info("warm-up: sampling", extra={"seconds": round(time.perf_counter() - t0, 1)})
+    finally:
+        worker.free_adapter(slot)
+    return time.perf_counter() - start

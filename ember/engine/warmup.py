@@ -10,10 +10,11 @@ may time out.
 :func:`warm_up` runs, through the worker's public calls (so a sharded engine's ranks all take
 part), a LoRA training pass at each of :data:`LENGTHS` (two lengths, so that compilers that
 specialise on a first shape build their dynamic-shape variant) and one sampling request with and
-one without the adapter, then frees the adapter. Nothing persists: no optimizer step, no slot
-kept, and passes this short do not feed the activation-memory estimate of ``auto`` checkpointing
-(``ember.engine.worker.MEASURE_MIN_TOKENS``). fla's autotuning keys hold head counts and sizes
-but not the sequence length, so what a short pass tunes serves every pass.
+one without the adapter, then frees the adapter and the sampler's KV cache. Nothing persists: no
+optimizer step, no slot kept, no KV cache held, and passes this short do not feed the
+activation-memory estimate of ``auto`` checkpointing (``ember.engine.worker.MEASURE_MIN_TOKENS``).
+fla's autotuning keys hold head counts and sizes but not the sequence length, so what a short pass
+tunes serves every pass. CUDA graphs of decode steps are captured again at the first real sample.
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def warm_up(worker, vocab_size: int, lengths: tuple[int, ...] = LENGTHS) -> floa
         t0 = time.perf_counter()
         prompt = rng.integers(0, vocab_size, PROMPT)
         params = SamplingParams(max_tokens=NEW, seed=0)
-        _check(worker.sample([SampleInput(slot, prompt, params), SampleInput(0, prompt, params)]), "sample")
+        try:
+            _check(worker.sample([SampleInput(slot, prompt, params), SampleInput(0, prompt, params)]), "sample")
+        finally:
+            # its KV cache (a share of the free memory) would stay allocated in an engine that
+            # only trains; the first real sample allocates it again, with the kernels compiled
+            worker.release_sampler()
         log.info("warm-up: sampling", extra={"seconds": round(time.perf_counter() - t0, 1)})
     finally:
         worker.free_adapter(slot)

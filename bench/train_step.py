@@ -116,6 +116,14 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
     parts = [requests(used[i * len(used) // micro :] if len(used) > 1 else used, seqs[i * n : (i + 1) * n])
              for i in range(micro)]
     losses = []
+    # the layers auto checkpointing chose in each pass (the memory split of the report)
+    decisions, decide = [], worker._checkpoint_pass
+
+    def spied(*args, **kwargs):
+        decisions.append(decide(*args, **kwargs))
+        return decisions[-1]
+
+    worker._checkpoint_pass = spied
 
     def step():
         total = 0.0
@@ -152,7 +160,13 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
         **mem,
         "first_loss_per_token": losses[0] / sum(len(s) - 1 for s in seqs),
         "trainable_params_per_adapter": trainable,
+        "checkpointed_layers": _layers(decisions[-1], len(model.model.layers)) if decisions else 0,
     }
+
+
+def _layers(decision, n_layers: int) -> int:
+    """How many layers a ``Worker._checkpoint_pass`` decision checkpoints."""
+    return n_layers if decision is True else 0 if decision is False else len(decision)
 
 
 def _parallel_rank(rank: int, world: int, args, hf_cfg, seqs) -> dict | None:
@@ -412,7 +426,8 @@ def _report(name: str, r: dict, tokens: int, flops: float) -> dict:
         r["mfu"] = flops / r["step_s"] / PEAK_BF16_FLOPS / gpus
         print(f"{name:12s} step {r['step_s']:.3f}s  {r['tokens_per_s']:8.0f} tok/s/GPU  MFU {100 * r['mfu']:5.1f}%  "
               f"peak {r['peak_gib']:.1f} GiB  activations {r['activation_gib']:.1f} GiB  "
-              f"loss/token {r['first_loss_per_token']:.4f}", flush=True)
+              f"loss/token {r['first_loss_per_token']:.4f}"
+              + (f"  checkpointed layers {r['checkpointed_layers']}" if "checkpointed_layers" in r else ""), flush=True)
     return r
 
 

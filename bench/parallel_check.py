@@ -9,7 +9,8 @@ against one process in fp32, the same weights):
 * the LoRA gradients, every tensor of the adapter (relative error of the largest, and overall);
 * the gradient norm that ``optim_step`` reports (and the fp64 norm of the exported gradient);
 * sampled tokens with fixed seeds (sequences identical, mean length of the common prefix) and the
-  logprobs of the tokens both drew.
+  logprobs of the tokens both drew, and whether each decoded through the static (CUDA-graph)
+  decoder (the engine does not use it for sharded models yet).
 
 The gradients leave each worker through its own export: every rank copies its adapter's
 gradient into the adapter's weights, and ``export_peft`` gathers them into a PEFT folder as it
@@ -73,6 +74,8 @@ def _run(worker, slot: int, seqs, prompts, args, grads_dir: Path | None) -> dict
     params = SamplingParams(max_tokens=args.new, temperature=1.0, seed=7)
     outs = worker.sample([SampleInput(slot, p, params) for p in prompts])
     result["samples"] = [(o.sequences[0].tokens.tolist(), o.sequences[0].logprobs.tolist()) for o in outs]
+    # whether the decode steps ran through the static (CUDA-graph) decoder
+    result["static_decoder"] = worker.sampler.static is not None
     return result
 
 
@@ -184,6 +187,7 @@ def main() -> None:
                       "exact": sum(float(v.norm() ** 2) for v in g_ref.values()) ** 0.5},
         "samples": {"parallel": _samples(par["samples"], ref["samples"]),
                     "noise": _samples(noise["samples"], ref["samples"])},
+        "static_decoder": {"one process": ref["static_decoder"], "parallel": par["static_decoder"]},
     }
     print(json.dumps(report, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)

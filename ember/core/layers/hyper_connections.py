@@ -20,6 +20,7 @@ The eager functions below are the definition, the CPU path and the reference
 
 from __future__ import annotations
 
+import warnings
 from functools import cache
 
 import torch
@@ -58,8 +59,20 @@ def _compiled(fn):
 
 
 def _run(fn, x: torch.Tensor, *args):
-    """``fn`` compiled on CUDA (unless :data:`GatedResidual.compiled` is off), eager elsewhere."""
-    return (_compiled(fn) if x.is_cuda and GatedResidual.compiled else fn)(x, *args)
+    """``fn`` compiled on CUDA (unless :data:`GatedResidual.compiled` is off), eager elsewhere. A
+    compilation that fails turns compiling off for the process, with a warning: the eager
+    functions compute the same."""
+    if not (x.is_cuda and GatedResidual.compiled):
+        return fn(x, *args)
+    try:
+        return _compiled(fn)(x, *args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an optimisation of pure functions: fall back to them
+        GatedResidual.compiled = False
+        warnings.warn(f"compiling the hyper-connections failed ({type(e).__name__}: {e}); running them eagerly",
+                      stacklevel=2)
+        return fn(x, *args)
 
 
 class GroupedRMSNorm(RMSNorm):

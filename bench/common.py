@@ -871,6 +871,19 @@ def event_time_ms(fn, warmup: int, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+def compile_seconds() -> dict[str, float]:
+    """Seconds this process has spent in ``torch.compile`` so far, from Dynamo's own metrics:
+    ``total`` (tracing and the backend) and ``backend`` (Inductor's code generation and
+    autotuning); empty when nothing was compiled. What a first step spends beyond them is
+    other first-use work (Triton autotuning outside Inductor, e.g. fla's; cuBLAS handles)."""
+    from torch._dynamo.utils import compile_times
+
+    rows = dict(line.rsplit(", ", 1) for line in compile_times(repr="str", aggregate=True).splitlines()[2:]
+                if ", " in line)
+    out = {"total": rows.get("_compile.compile_inner"), "backend": rows.get("OutputGraph.call_user_compiler")}
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
 def time_steps(fn: Callable[[], None], warmup: int, iters: int) -> list[float]:
     """Wall times (s) of ``iters`` calls of ``fn`` after ``warmup`` calls, synchronised; prints each
     call's time as it ends (a first call's compilation shows there)."""

@@ -61,6 +61,7 @@ from bench.common import (
     PEAK_BF16_FLOPS,
     SHAPES,
     MemoryMeter,
+    compile_seconds,
     full_train_flops,
     hardware_line,
     hf_baseline_unavailable,
@@ -139,6 +140,10 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
     meter.start()
     times = time_steps(step, warmup, iters)
     mem = meter.stop()
+    compiled = compile_seconds()
+    if compiled:
+        print(f"    torch.compile so far: {compiled.get('total', 0):.1f} s "
+              f"(backend {compiled.get('backend', 0):.1f} s)", flush=True)
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -161,6 +166,7 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
         "first_loss_per_token": losses[0] / sum(len(s) - 1 for s in seqs),
         "trainable_params_per_adapter": trainable,
         "checkpointed_layers": _layers(decisions[-1], len(model.model.layers)) if decisions else 0,
+        "compile_s": compiled,
     }
 
 

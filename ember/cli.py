@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from ember.engine_flags import WARMUP_MODES
+
 DEFAULT_HOME = os.environ.get("EMBER_HOME", "~/.ember")
 
 
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                        "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
                        "the model dtype and training keeps the model's weights (default bf16)")
     serve.add_argument("--max-prefill-tokens", type=int, default=16384, metavar="N", help="tokens per sampling step: one decode token per running sequence, the rest for prompts; a longer prompt is prefilled in chunks over several steps while the running sequences keep decoding (dense, MoE, MLA and Gated DeltaNet families; qwen4_exp and Inkling2 prefill whole prompts). Smaller: shorter stalls of the running decodes, a later first token for long prompts (default 16384)")
-    serve.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
+    serve.add_argument("--warmup", default="auto", choices=WARMUP_MODES,
                        help="before an engine serves, run a short training pass and a sample on random tokens, so "
                        "that the first client does not wait for GPU kernels to be autotuned and compiled (on a fresh "
                        "machine minutes for the Gated DeltaNet families and Inkling2); `ember status` shows the engine "

@@ -5,6 +5,9 @@ Torch-free: the API process imports it."""
 
 from __future__ import annotations
 
+# --warmup of ember serve and of the engine (ember.engine.warmup)
+WARMUP_MODES = ("auto", "on", "off")
+
 
 def engine_flag_errors(
     *,

@@ -110,6 +110,12 @@ def aligned_head(weight: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+def _head(weight: torch.Tensor) -> tuple[int, torch.Tensor, int | None]:
+    """``(V, the head for the products, its padded width or None)`` (:func:`aligned_head`)."""
+    head = aligned_head(weight)
+    return weight.shape[0], head, (head.shape[0] if head is not weight else None)
+
+
 def chunk_logits(h, weight, lora_parts, c0, c1, rows: int | None = None):
     """Raw (uncapped) logits of tokens ``[c0, c1)`` in accumulation precision; ``lora_parts`` are
     ``(start, end, scale·hA, B)`` LM-head corrections (:func:`head_lora_parts`). ``rows``: the
@@ -213,8 +219,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         pw = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if precompute else None
         f_t = torch.ones(targets.shape, dtype=acc, device=hidden.device) if precompute else None
         ones = torch.ones(T, dtype=acc, device=hidden.device) if precompute else None
-        V, head = weight.shape[0], aligned_head(weight)
-        width = head.shape[0] if head is not weight else None
+        V, head, width = _head(weight)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             it = None if inv_t is None else inv_t[c0:c1]
@@ -266,8 +271,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_lora = [torch.zeros_like(t, dtype=acc) for t in lora_tensors]
         T = hidden.shape[0]
         grad_out = grad_out.to(acc)
-        V, head = weight.shape[0], aligned_head(weight)
-        width = head.shape[0] if head is not weight else None
+        V, head, width = _head(weight)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             it = None if ctx.inv_t is None else ctx.inv_t[c0:c1]

@@ -36,7 +36,7 @@ from ember.engine.full_runs import NoRoom
 from ember.engine.stability import StabilityRecord, StabilityStore, resolve_datum
 from ember.engine.warmup import wants_warm_up, warm_up
 from ember.engine.worker import Worker
-from ember.engine_flags import engine_flag_errors, flag_values
+from ember.engine_flags import WARMUP_MODES, engine_flag_errors, flag_values
 from ember.jsonlog import setup_logging
 from ember.storage import Storage
 from ember.store import Store
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                     "pinned host memory, or in host memory with what it cannot hold in files under DIR")
     ap.add_argument("--optimizer-device-gib", type=float, default=0.0, metavar="GIB",
                     help="with --optimizer-offload host or disk:DIR: keep up to this many GiB of the optimizer state on the GPU anyway (whole parameters, the first ones), so fewer bytes cross the host link each step (ZeRO-Offload's partial offload; default 0: all of it off the GPU)")
-    ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
+    ap.add_argument("--warmup", default="auto", choices=WARMUP_MODES,
                     help="run a short training pass and a sample before serving, so that the first request "
                     "does not pay for autotuning and compiling GPU kernels (ember.engine.warmup); auto: on CUDA")
     ap.add_argument("--ray", default=None, metavar="ADDRESS",

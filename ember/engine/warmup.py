@@ -25,13 +25,14 @@ import time
 import numpy as np
 
 from ember.core.adapters import LoraConfig
+from ember.engine_flags import WARMUP_MODES
 from ember.types import Datum, ForwardBackwardInput, RequestError, SampleInput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 LENGTHS = (192, 320)  # tokens of the two warm-up training passes
 PROMPT, NEW = 16, 4  # the warm-up sample's prompt and new tokens
-MODES = ("auto", "on", "off")
+MODES = WARMUP_MODES
 
 
 def wants_warm_up(mode: str, device: str) -> bool:

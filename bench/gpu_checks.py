@@ -336,6 +336,13 @@ def check_hyper_connections() -> None:
         ms = event_time_ms(step, 2, 10)
         print(f"  hyper-connection read + write, forward+backward, {'compiled' if compiled else 'eager'}: "
               f"{ms:.2f} ms (first call {first:.1f} s)")
+        if "--profile" in sys.argv:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     GatedResidual.compiled = True
     for i, name in enumerate(("out", "dx", "dy")):
         report(f"hyper-connections compiled vs eager {name}", rel(res[True][i], res[False][i]), 1e-2)
@@ -658,9 +665,10 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
-    # python3 bench/gpu_checks.py [check ...]   (default: all of them)
+    # python3 bench/gpu_checks.py [check ...] [--profile]   (default: all of them; --profile: a
+    # kernel table of the timed step, for the checks that time one)
     print(torch.__version__, torch.cuda.get_device_name())
-    for name in sys.argv[1:] or list(CHECKS):
+    for name in [a for a in sys.argv[1:] if not a.startswith("--")] or list(CHECKS):
         CHECKS[name]()
     print("FAILED:", FAILED if FAILED else "none")
     sys.exit(1 if FAILED else 0)

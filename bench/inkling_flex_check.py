@@ -16,6 +16,11 @@ uncompiled and without backward)::
    the flex backend vs the eager backend.
 3. Timing (information only): forward + backward of one sliding and one global layer's attention
    at 16k tokens, flex vs eager.
+4. Compile (information only; run it alone, ``--only=compile``, so nothing is compiled before it):
+   the wall time of each first use at Inkling-2-Small's attention shape (48/8 heads × 128,
+   extent 1024) over 8 documents of 2048 tokens: the block masks, a no-grad forward, a training
+   pass whose bias needs no gradient (the first layer's, whose input needs none), one whose bias
+   does, another window (global), then other batch compositions (which should reuse the code).
 
 Prints every error with its tolerance; exits 1 if one fails. ``--dry-run`` exercises this script
 on the CPU with the eager backend standing in for flex (smaller sizes, no timing): it checks the
@@ -224,6 +229,57 @@ def timing() -> None:
                 print(f"time {label} {tokens} tokens, 48/8 heads x 128, bf16, fwd+bwd, {backend}: {ms:.1f} ms")
 
 
+def compile_split() -> None:
+    """Wall seconds of each first use of the compiled FlexAttention (information only)."""
+    sliding = RelativeAttentionSpec(window=1024, rel_extent=1024)
+    glob = RelativeAttentionSpec(window=None, rel_extent=1024)
+
+    def stage(label, fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        print(f"compile {label}: {time.perf_counter() - t:.1f} s", flush=True)
+
+    def train(seq_lens, spec, bias_grad=True):
+        inputs, pos = attention_inputs(seq_lens, 48, 8, 128, spec.rel_extent, torch.bfloat16)
+        if not bias_grad:
+            inputs[3] = inputs[3].detach()
+            inputs[4] = inputs[4].detach()
+        out = PackedRelativeAttention(seq_lens, pos, backend="flex")(*inputs, spec, 128**-0.5)
+        out.backward(torch.ones_like(out))
+
+    def forward(seq_lens, spec):
+        inputs, pos = attention_inputs(seq_lens, 48, 8, 128, spec.rel_extent, torch.bfloat16)
+        with torch.no_grad():
+            PackedRelativeAttention(seq_lens, pos, backend="flex")(*inputs, spec, 128**-0.5)
+
+    eight = [2048] * 8
+    pos = torch.cat([torch.arange(n, device=DEVICE) for n in eight])
+    stage("block mask, sliding", lambda: PackedRelativeAttention(eight, pos).block_mask(1024))
+    stage("block mask, global", lambda: PackedRelativeAttention(eight, pos).block_mask(None))
+    stage("forward, no grad", lambda: forward(eight, sliding))
+    stage("train, bias without grad", lambda: train(eight, sliding, bias_grad=False))
+    stage("train, bias with grad", lambda: train(eight, sliding))
+    stage("train again (cached)", lambda: train(eight, sliding))
+    stage("train, global window", lambda: train(eight, glob))
+    stage("train, 6 x 2048 + 1000 (new shape)", lambda: train([2048] * 6 + [1000], sliding))
+    stage("train, 3 x 3000 (another shape)", lambda: train([3000] * 3, sliding))
+    stage("forward, no grad, another shape", lambda: forward([3000] * 3, sliding))
+    # the same from a clean slate with dynamic shapes from the first call (one compilation for
+    # every batch composition instead of a static one, then a dynamic one)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ember.core.layers import relative_attention
+
+    torch._dynamo.reset()
+    dynamic = torch.compile(flex_attention, dynamic=True)
+    relative_attention._compiled_flex = lambda: dynamic
+    stage("dynamic=True: train, bias with grad", lambda: train(eight, sliding))
+    stage("dynamic=True: train, another shape", lambda: train([3000] * 3, sliding))
+    stage("dynamic=True: train, bias without grad", lambda: train(eight, sliding, bias_grad=False))
+
+
 def main() -> int:
     if not DRY and not torch.cuda.is_available():
         print("needs a CUDA device (or --dry-run)")
@@ -231,10 +287,12 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     print(torch.__version__, "dry run on the CPU" if DRY else torch.cuda.get_device_name())
-    parts = {"kernel": check_kernel, "fd": check_finite_differences, "model": check_model, "timing": timing}
-    only = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")), list(parts))
+    parts = {"kernel": check_kernel, "fd": check_finite_differences, "model": check_model, "timing": timing,
+             "compile": compile_split}
+    default = [p for p in parts if p != "compile"]  # compile: alone, in a fresh process
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")), default)
     for name in only:
-        if name == "timing" and DRY:
+        if name in ("timing", "compile") and DRY:
             continue
         parts[name]()
     print("FAILED:" if FAILED else "all checks passed", *FAILED, sep="\n  ")

@@ -147,15 +147,20 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             step()
             sync()
         averages = prof.key_averages()
-        # kernels by their own GPU time (where the step goes), then operators with their children
+        # kernels by their own GPU time (where the step goes), then operators with their children,
+        # then operators by input shapes (which tensor an elementwise share comes from)
         table = averages.table(sort_by="self_cuda_time_total", row_limit=60)
         nested = averages.table(sort_by="cuda_time_total", row_limit=40)
-        (profile_dir / f"profile_ember_{n_adapters}x{bank_slots}.txt").write_text(table + "\n\n" + nested)
+        shapes = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=60, max_shapes_column_width=90)
+        (profile_dir / f"profile_ember_{n_adapters}x{bank_slots}.txt").write_text(
+            table + "\n\n" + nested + "\n\n" + shapes)
         print(table[:6000])
+        print(shapes[:9000])
     trainable = worker.adapter(used[0]).num_parameters()
     for s in list(slots):
         worker.free_adapter(s)

@@ -434,24 +434,45 @@ def test_flex_attention_forward_matches_eager_on_cpu():
         torch.testing.assert_close(flex, eager, atol=1e-5, rtol=0)
 
 
-def test_one_compiled_block_mask_serves_every_window():
-    """The window is a tensor input of the mask, not a constant Dynamo guards on: building the
-    masks of a sliding and a global layer compiles once (on the GPU each window compiled
-    create_block_mask and flex_attention again, seen with TORCH_LOGS=recompiles)."""
-    from torch._dynamo.testing import CompileCounter
+def test_document_block_mask_equals_create_block_mask():
+    """The block mask built from each query's interval of keys is create_block_mask's, index for
+    index (partial and full blocks, both directions), for packed documents across block borders,
+    lengths that are not a multiple of the block, windows below, at and above the block size."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from ember.core.layers.relative_attention import window_mask
+    from ember.core.layers.relative_attention import document_block_mask, window_mask
+
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    for lens in ([100, 60, 96], [300], [1, 129, 7, 400, 3], [128, 128, 256]):
+        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        T = doc.shape[0]
+        for w in (1, 5, 100, 128, 200, None):
+            want = create_block_mask(window_mask(doc, w), None, None, T, T, device="cpu")
+            got = document_block_mask(doc, w)
+            assert got.seq_lengths == want.seq_lengths
+            for f in fields:
+                assert torch.equal(getattr(got, f), getattr(want, f)), (lens, w, f)
+
+
+def test_one_compiled_attention_serves_every_window():
+    """The window is a tensor input of the mask, not a constant Dynamo guards on: the attention of
+    a sliding and a global layer traces once (on the GPU each window compiled flex_attention
+    again, seen with TORCH_LOGS=recompiles)."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ember.core.layers.relative_attention import document_block_mask
 
     doc = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 96]))
     T = doc.shape[0]
+    q, k, v = (torch.randn(1, 2, T, 16) for _ in range(3))
     counter = CompileCounter()
-    build = torch.compile(create_block_mask, backend=counter)
-    masks = {w: build(window_mask(doc, w), None, None, T, T, device="cpu") for w in (5, 9, None)}
+    attend = torch.compile(flex_attention, backend=counter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for w in (5, 9, None):
+            attend(q, k, v, block_mask=document_block_mask(doc, w))
     assert counter.frame_count == 1
-    qi, kv = torch.meshgrid(torch.arange(T), torch.arange(T), indexing="ij")
-    for w, mask in masks.items():
-        dense = mask.to_dense()[0, 0].bool()  # [T/128, T/128] blocks touched
-        want = (qi >= kv) & (doc[qi] == doc[kv]) & ((qi - kv < w) if w is not None else True)
-        blocks = want.reshape(T // 128, 128, T // 128, 128).any(3).any(1)
-        assert torch.equal(dense, blocks), w

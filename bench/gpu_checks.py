@@ -315,6 +315,7 @@ def check_hyper_connections() -> None:
     with torch.no_grad():
         for p in site.parameters():
             p.copy_(torch.randn_like(p) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+            p.requires_grad_(False)  # frozen, as in the model (spec §3.9): no weight gradients
     x0 = torch.randn(T, n * H, device="cuda", dtype=torch.bfloat16)
     y0 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     dout = torch.randn(T, n * H, device="cuda", dtype=torch.bfloat16)

@@ -50,6 +50,24 @@ SCRIPT = textwrap.dedent(
     check("silu_mul y", y, yr, 1e-5)
     check("silu_mul grad", got, gu.grad, 1e-5)
 
+    # with a row scale (an MoE layer's routing weights): the kernel (one and three column blocks
+    # per row, so the scale's gradient sums partials) and the torch path against fp64 autograd
+    for width in (70, 2500):
+        gu = torch.randn(13, 2 * width, dtype=torch.float64)
+        sc = torch.rand(13, dtype=torch.float64)
+        g = torch.randn(13, width, dtype=torch.float64)
+        ref_in = [gu.clone().requires_grad_(), sc.clone().requires_grad_()]
+        gate, up = ref_in[0][:, :width], ref_in[0][:, width:]
+        ((torch.nn.functional.silu(gate) * up * ref_in[1][:, None]) * g).sum().backward()
+        for name, fn in (("kernel", fused.SiluMulFn.apply), ("torch", activations._SiluMul.apply)):
+            x = [gu.float().requires_grad_(), sc.float().requires_grad_()]
+            y = fn(x[0][:, :width], x[0][:, width:], x[1])
+            (y * g.float()).sum().backward()
+            yr = torch.nn.functional.silu(gu[:, :width]) * gu[:, width:] * sc[:, None]
+            check(f"silu_mul scaled {name} {width} y", y, yr, 1e-5)
+            check(f"silu_mul scaled {name} {width} dgate/dup", x[0].grad, ref_in[0].grad, 1e-5)
+            check(f"silu_mul scaled {name} {width} dscale", x[1].grad, ref_in[1].grad, 1e-3)
+
     for rot in (32, 16):   # full and partial rotary
         x = torch.randn(11, 4, 32).requires_grad_()
         pos = torch.arange(11)

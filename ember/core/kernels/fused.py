@@ -71,25 +71,34 @@ if HAVE_TRITON:
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_fwd(G, U, Y, stride_g, stride_u, stride_y, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_fwd(G, U, S, Y, stride_g, stride_u, stride_y, n_cols, HAS_SCALE: tl.constexpr,
+                      BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
         g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
         y = g * tl.sigmoid(g) * u
+        if HAS_SCALE:
+            y = y * tl.load(S + row).to(tl.float32)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_bwd(G, U, DY, DG, DU, stride_g, stride_u, stride_dy, stride_dg, stride_du, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_bwd(G, U, S, DY, DG, DU, DS, stride_g, stride_u, stride_dy, stride_dg, stride_du, n_cols,
+                      HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
         g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         silu = g * s
+        if HAS_SCALE:
+            # the row scale's gradient, one partial sum per column block (masked columns are 0)
+            tl.store(DS + row * tl.num_programs(1) + blk, tl.sum(dy * silu * u, axis=0))
+            dy = dy * tl.load(S + row).to(tl.float32)
         dg = dy * u * (s * (1.0 + g * (1.0 - s)))
         du = dy * silu
         tl.store(DG + row * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
@@ -237,32 +246,39 @@ class RMSNormFn(torch.autograd.Function):
 
 
 class SiluMulFn(torch.autograd.Function):
-    """Fused ``silu(gate) * up`` over the last dimension (inputs may be strided views)."""
+    """Fused ``silu(gate) * up`` over the last dimension (inputs may be strided views), each row
+    times ``scale`` (``[rows]``) when given (an MoE layer's routing weights)."""
 
     BLOCK = 1024
 
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, scale=None):
         g2, u2 = _rows(gate), _rows(up)
         n_rows, n_cols = g2.shape
         y = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
         grid = (n_rows, triton.cdiv(n_cols, SiluMulFn.BLOCK))
-        _silu_mul_fwd[grid](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n_cols, BLOCK=SiluMulFn.BLOCK)
-        ctx.save_for_backward(g2, u2)
+        s = scale.reshape(n_rows) if scale is not None else g2
+        _silu_mul_fwd[grid](g2, u2, s, y, g2.stride(0), u2.stride(0), y.stride(0), n_cols,
+                            HAS_SCALE=scale is not None, BLOCK=SiluMulFn.BLOCK)
+        ctx.save_for_backward(g2, u2, scale)
         ctx.shape = gate.shape
         return y.view(gate.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        g2, u2 = ctx.saved_tensors
+        g2, u2, scale = ctx.saved_tensors
         n_rows, n_cols = g2.shape
         dy2 = _rows(dy)
         dg = torch.empty((n_rows, n_cols), dtype=g2.dtype, device=g2.device)
         du = torch.empty_like(dg)
         grid = (n_rows, triton.cdiv(n_cols, SiluMulFn.BLOCK))
-        _silu_mul_bwd[grid](g2, u2, dy2, dg, du, g2.stride(0), u2.stride(0), dy2.stride(0), dg.stride(0),
-                            du.stride(0), n_cols, BLOCK=SiluMulFn.BLOCK)
-        return dg.view(ctx.shape), du.view(ctx.shape)
+        has = scale is not None
+        ds = torch.empty(grid, dtype=torch.float32, device=g2.device) if has else dg
+        _silu_mul_bwd[grid](g2, u2, scale.reshape(n_rows) if has else g2, dy2, dg, du, ds, g2.stride(0),
+                            u2.stride(0), dy2.stride(0), dg.stride(0), du.stride(0), n_cols, HAS_SCALE=has,
+                            BLOCK=SiluMulFn.BLOCK)
+        dscale = ds.sum(1).to(scale.dtype).view(scale.shape) if has and ctx.needs_input_grad[2] else None
+        return dg.view(ctx.shape), du.view(ctx.shape), dscale
 
 
 def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:

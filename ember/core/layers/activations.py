@@ -8,26 +8,39 @@ import torch.nn.functional as F
 from ember.core.kernels import fused
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or wider if it is (fp64 references keep their precision)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+    def forward(ctx, gate, up, scale=None):
+        ctx.save_for_backward(gate, up, scale)
+        if scale is None:
+            return F.silu(gate) * up
+        return (F.silu(_wide(gate)) * _wide(up) * _wide(scale)[:, None]).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        g = gate.float()
+        gate, up, scale = ctx.saved_tensors
+        g = _wide(gate)
         s = torch.sigmoid(g)
         silu = g * s
-        dyf = dy.float()
-        dgate = dyf * up.float() * (s * (1.0 + g * (1.0 - s)))
+        dyf = _wide(dy)
+        dscale = None
+        if scale is not None:
+            if ctx.needs_input_grad[2]:
+                dscale = (dyf * silu * _wide(up)).sum(-1).to(scale.dtype)
+            dyf = dyf * _wide(scale)[:, None]
+        dgate = dyf * _wide(up) * (s * (1.0 + g * (1.0 - s)))
         dup = dyf * silu
-        return dgate.to(gate.dtype), dup.to(up.dtype)
+        return dgate.to(gate.dtype), dup.to(up.dtype), dscale
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up``."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up``; with ``scale`` (``[rows]`` of 2-D inputs) each row times its
+    scale, rounded once (an MoE layer's routing weights, gradient included)."""
     if fused.use_triton(gate, up):
-        return fused.SiluMulFn.apply(gate, up)
-    return _SiluMul.apply(gate, up)
+        return fused.SiluMulFn.apply(gate, up, scale)
+    return _SiluMul.apply(gate, up, scale)

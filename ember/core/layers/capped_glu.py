@@ -20,31 +20,37 @@ from ember.core.layers.moe import Experts
 
 class _SiTUGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, gate_cap: float, up_cap: float):
-        ctx.save_for_backward(gate, up)
+    def forward(ctx, gate, up, gate_cap: float, up_cap: float, scale=None):
+        ctx.save_for_backward(gate, up, scale)
         ctx.caps = (gate_cap, up_cap)
         g, u = gate.float(), up.float()
-        return (torch.tanh(g / gate_cap) * gate_cap * torch.sigmoid(g) * (torch.tanh(u / up_cap) * up_cap)).to(
-            gate.dtype
-        )
+        a = torch.tanh(g / gate_cap) * gate_cap * torch.sigmoid(g) * (torch.tanh(u / up_cap) * up_cap)
+        return (a if scale is None else a * scale.float()[:, None]).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
+        gate, up, scale = ctx.saved_tensors
         gate_cap, up_cap = ctx.caps
         g, u = gate.float(), up.float()
         tg, tu = torch.tanh(g / gate_cap), torch.tanh(u / up_cap)
         s = torch.sigmoid(g)
         capped_up = tu * up_cap
         dyf = dy.float()
+        dscale = None
+        if scale is not None:
+            if ctx.needs_input_grad[4]:
+                dscale = (dyf * gate_cap * tg * s * capped_up).sum(-1).to(scale.dtype)
+            dyf = dyf * scale.float()[:, None]
         dgate = dyf * capped_up * ((1.0 - tg * tg) * s + gate_cap * tg * s * (1.0 - s))
         dup = dyf * (gate_cap * tg * s) * (1.0 - tu * tu)
-        return dgate.to(gate.dtype), dup.to(up.dtype), None, None
+        return dgate.to(gate.dtype), dup.to(up.dtype), None, None, dscale
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
-    """``gate_cap·tanh(g/gate_cap)·σ(g) · up_cap·tanh(u/up_cap)``, in fp32, cast to ``gate``'s dtype."""
-    return _SiTUGLU.apply(gate, up, gate_cap, up_cap)
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``gate_cap·tanh(g/gate_cap)·σ(g) · up_cap·tanh(u/up_cap)``, in fp32, cast to ``gate``'s dtype;
+    with ``scale`` (``[rows]``) each row times its scale before the cast."""
+    return _SiTUGLU.apply(gate, up, gate_cap, up_cap, scale)
 
 
 class CappedGLUExperts(Experts):
@@ -58,5 +64,5 @@ class CappedGLUExperts(Experts):
         self.gate_cap = gate_cap
         self.up_cap = up_cap
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return situ_glu(gate, up, self.gate_cap, self.up_cap)
+    def activation(self, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return situ_glu(gate, up, self.gate_cap, self.up_cap, scale)

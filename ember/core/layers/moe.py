@@ -108,34 +108,31 @@ class SoftmaxTopKRouter(nn.Module):
 class _ExpertProjection(torch.autograd.Function):
     """One grouped expert projection with its LoRA correction, keeping little for backward.
 
-    ``y = xs @ W[e].T + (s_row · xs @ A[g].T) @ B[g].T`` where ``xs = x[rows] * in_scale`` (the
-    gathered, optionally row-scaled input), ``e`` the expert of a row and ``g`` its LoRA group. The
-    gathered ``[T·k, H]`` rows are NOT kept: backward gathers them again from ``x``. That, and folding
-    the routing weights into the down projection's input (``in_scale``), keeps an MoE layer's saved
-    activations near ``[T·k, 3·I]`` instead of ``[T·k, 2·H + 3·I]``.
+    ``y = xs @ W[e].T + (s_row · xs @ A[g].T) @ B[g].T`` where ``xs = x[rows]`` (the gathered input
+    rows), ``e`` the expert of a row and ``g`` its LoRA group. The gathered ``[T·k, H]`` rows are
+    NOT kept: backward gathers them again from ``x``. That, and folding the routing weights into
+    the activation (:meth:`Experts.activation`), keeps an MoE layer's saved activations near
+    ``[T·k, 3·I]`` instead of ``[T·k, 2·H + 3·I]``.
     """
 
     @staticmethod
-    def forward(ctx, x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None):
+    def forward(ctx, x, rows, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None):
         ctx.inverse = inverse  # rows' inverse permutation (ExpertRows.inverse): gx sums them without atomics
         xs = x if rows is None else x[rows]
-        if in_scale is not None:
-            xs = xs * in_scale[:, None].to(xs.dtype)
         y = grouped_linear(xs, weight, offsets)
         h = None
         if A is not None:
             h = grouped_linear(xs, A, lora_offsets) * lora_scale[:, None]
             y = y + grouped_linear(h, B, lora_offsets)
-        ctx.save_for_backward(x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B, h)
+        ctx.save_for_backward(x, rows, weight, offsets, lora_offsets, lora_scale, A, B, h)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, rows, in_scale, weight, offsets, lora_offsets, lora_scale, A, B, h = ctx.saved_tensors
-        base = x if rows is None else x[rows]
-        xs = base if in_scale is None else base * in_scale[:, None].to(base.dtype)
+        x, rows, weight, offsets, lora_offsets, lora_scale, A, B, h = ctx.saved_tensors
+        xs = x if rows is None else x[rows]
         gxs = grouped_linear(gy, weight.transpose(1, 2), offsets)
-        gW = grouped_wgrad(gy, xs, offsets) if ctx.needs_input_grad[3] else None
+        gW = grouped_wgrad(gy, xs, offsets) if ctx.needs_input_grad[2] else None
         gA = gB = None
         if A is not None:
             gh = grouped_linear(gy, B.transpose(1, 2), lora_offsets)
@@ -143,26 +140,25 @@ class _ExpertProjection(torch.autograd.Function):
             gh = gh * lora_scale[:, None]
             gxs = gxs + grouped_linear(gh, A.transpose(1, 2), lora_offsets)
             gA = grouped_wgrad(gh, xs, lora_offsets)
-        g_scale = None
-        if in_scale is not None:
-            if ctx.needs_input_grad[2]:
-                g_scale = (gxs.float() * base.float()).sum(-1).to(in_scale.dtype)
-            gxs = gxs * in_scale[:, None].to(gxs.dtype)
         if rows is None:
             gx = gxs
         elif ctx.inverse is not None:
             gx = sum_rows(gxs, ctx.inverse, x.shape[0]).to(x.dtype)
         else:
             gx = torch.zeros_like(x).index_add_(0, rows, gxs)
-        return gx, None, g_scale, gW, None, None, None, gA, gB, None
+        return gx, None, gW, None, None, None, gA, gB, None
 
 
 def sum_rows(rows: torch.Tensor, inverse: torch.Tensor, tokens: int, fp32: bool = False) -> torch.Tensor:
     """Each token's sum of its ``k`` rows: ``inverse[t * k + j]`` is the row of token ``t``'s
-    ``j``-th choice (every token has exactly ``k``). A gather and one reduction (accumulated in
-    fp32, rounded once), instead of ``index_add_``'s atomic adds; deterministic."""
-    picked = rows[inverse].view(tokens, -1, rows.shape[-1])
-    return picked.float().sum(1) if fp32 else picked.sum(1)
+    ``j``-th choice (every token has exactly ``k``). One gathering reduction (``embedding_bag``:
+    accumulated in fp32 and rounded once, deterministic, no ``[T·k, H]`` copy of the gathered
+    rows), instead of ``index_add_``'s atomic adds; ``fp32``: the sum in fp32."""
+    if tokens == 0 or rows.shape[0] == 0:
+        return rows.new_zeros(tokens, rows.shape[-1], dtype=torch.float32 if fp32 else rows.dtype)
+    if fp32 and rows.dtype != torch.float32:
+        return rows[inverse].view(tokens, -1, rows.shape[-1]).float().sum(1)
+    return F.embedding_bag(inverse.view(tokens, -1), rows, mode="sum")
 
 
 class _CombineRows(torch.autograd.Function):
@@ -259,9 +255,10 @@ class Experts(nn.Module):
         _, two_i, h = self.gate_up_proj.shape
         return {"gate_up_proj": (h, two_i), "down_proj": (two_i // 2, h)}
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The gated activation between the two projections."""
-        return silu_mul(gate, up)
+    def activation(self, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated activation between the two projections, each row times ``scale`` (its routing
+        weight; the down projection is linear, so scaling its input is scaling its output)."""
+        return silu_mul(gate, up, scale)
 
     def forward(self, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
         if self.dispatch is not None:
@@ -289,22 +286,22 @@ class Experts(nn.Module):
         expert_offsets = ends if groups == 1 else ends.view(E, groups)[:, -1].contiguous()
         lora_offsets = ends
 
-        def project(inp, rows, in_scale, w, suffix):
+        def project(inp, rows, w, suffix):
             factors = None
             if lora is not None:
                 factors = lora.expert_factors(f"{self.lora_name}.{suffix}", group, inp.dtype)
             inv = inverse if rows is not None else None
             if factors is None:
-                return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, None, None, None, None, inv)
+                return _ExpertProjection.apply(inp, rows, w, expert_offsets, None, None, None, None, inv)
             A, B, scale_rows = factors
-            return _ExpertProjection.apply(inp, rows, in_scale, w, expert_offsets, lora_offsets, scale_rows, A, B, inv)
+            return _ExpertProjection.apply(inp, rows, w, expert_offsets, lora_offsets, scale_rows, A, B, inv)
 
         gate_up_w, down_w = self.gate_up_proj, self.down_proj
         if self.rollout is not None and self.rollout.active:
             gate_up_w, down_w = self.rollout.gate_up_proj, self.rollout.down_proj
-        gate, up = project(x, rows, None, gate_up_w, "gate_up_proj").chunk(2, dim=-1)
+        gate, up = project(x, rows, gate_up_w, "gate_up_proj").chunk(2, dim=-1)
         # the routing weight scales the down projection's input rows (same result: it is linear)
-        return project(self.activation(gate, up), None, weight, down_w, "down_proj")
+        return project(self.activation(gate, up, weight), None, down_w, "down_proj")
 
     def combine(self, x: torch.Tensor, token: torch.Tensor, out: torch.Tensor,
                 inverse: torch.Tensor | None = None) -> torch.Tensor:

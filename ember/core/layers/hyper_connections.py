@@ -10,23 +10,22 @@ from them and writes its output back to all of them::
 
 The final mixer only reads. All weights are frozen (not LoRA targets, spec §3.9).
 
-On CUDA the read and the write run compiled (``torch.compile``, dynamic shapes): eagerly they
-are a dozen elementwise passes over ``[T, n·H]`` in fp32 each way, and elementwise kernels led
-the profile of a Qwen3.8-Flash-Next training step (``mul`` alone 19 % of its GPU time, more
-than the grouped expert GEMMs); Inductor fuses them around the three small GEMMs.
-The eager functions below are the definition, the CPU path and the reference
-(``bench/gpu_checks.py hc`` compares the two on the GPU).
+On CUDA the read and the write run as fused kernels with their own backward
+(:mod:`ember.core.kernels.hyper`): eagerly they are a dozen elementwise passes over ``[T, n·H]``
+each way, and elementwise kernels led the profile of a Qwen3.8-Flash-Next training step (``mul``
+alone 19 % of its GPU time, more than the grouped expert GEMMs). The eager functions below are
+the definition, the CPU path and the reference (``bench/gpu_checks.py hc`` compares the two on
+the GPU; ``tests/unit/test_hyper_kernels.py`` on the CPU, under Triton's interpreter).
 """
 
 from __future__ import annotations
-
-import warnings
-from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.core.kernels import fused
+from ember.core.kernels.hyper import HyperRead, HyperWrite
 from ember.core.layers.norms import RMSNorm
 
 
@@ -53,28 +52,6 @@ def hc_write(x: torch.Tensor, y: torch.Tensor, gates: torch.Tensor) -> torch.Ten
     return x + (y[:, None, :] * gates[..., None]).flatten(-2)
 
 
-@cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True)
-
-
-def _run(fn, x: torch.Tensor, *args):
-    """``fn`` compiled on CUDA (unless :data:`GatedResidual.compiled` is off), eager elsewhere. A
-    compilation that fails turns compiling off for the process, with a warning: the eager
-    functions compute the same."""
-    if not (x.is_cuda and GatedResidual.compiled):
-        return fn(x, *args)
-    try:
-        return _compiled(fn)(x, *args)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - an optimisation of pure functions: fall back to them
-        GatedResidual.compiled = False
-        warnings.warn(f"compiling the hyper-connections failed ({type(e).__name__}: {e}); running them eagerly",
-                      stacklevel=2)
-        return fn(x, *args)
-
-
 class GroupedRMSNorm(RMSNorm):
     """Zero-centred RMSNorm over each of ``groups`` equal slices of the last dimension, with one
     weight of the full width (transformers ``Qwen4ExpTextRMSNorm(group_size=H)``)."""
@@ -91,8 +68,6 @@ class GatedResidual(nn.Module):
     """One hyper-connection site: ``read`` mixes the streams into a sublayer input; ``write`` adds the
     sublayer output back to every stream with its injection gate."""
 
-    compiled: bool = True  # the read and write compiled on CUDA (module doc); off: eager everywhere
-
     def __init__(self, hidden: int, streams: int, rank: int, eps: float, inject: bool = True):
         super().__init__()
         self.streams = streams
@@ -104,10 +79,14 @@ class GatedResidual(nn.Module):
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sublayer input ``[T, H]`` and the write gates ``[T, n]`` (``None`` for the final mixer)."""
         inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
-        return _run(hc_read, x, self.hc_norm.weight, self.input_mix_weight_down.weight,
-                    self.input_mix_weight_up.weight, inject, self.streams, self.hc_norm.eps)
+        args = (x, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight, inject,
+                self.streams, self.hc_norm.eps)
+        if not fused.use_triton(x) or any(w is not None and w.requires_grad for w in args[1:5]):
+            return hc_read(*args)  # the kernels give no weight gradients (the weights are frozen)
+        read, gates = HyperRead.apply(*args)
+        return read, (gates if inject is not None else None)
 
     @staticmethod
     def write(x: torch.Tensor, y: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """``x + [gates_j · y]_j`` over the streams."""
-        return _run(hc_write, x, y, gates)
+        return HyperWrite.apply(x, y, gates) if fused.use_triton(x) else hc_write(x, y, gates)

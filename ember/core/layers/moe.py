@@ -151,14 +151,12 @@ class _ExpertProjection(torch.autograd.Function):
 
 def sum_rows(rows: torch.Tensor, inverse: torch.Tensor, tokens: int, fp32: bool = False) -> torch.Tensor:
     """Each token's sum of its ``k`` rows: ``inverse[t * k + j]`` is the row of token ``t``'s
-    ``j``-th choice (every token has exactly ``k``). One gathering reduction (``embedding_bag``:
-    accumulated in fp32 and rounded once, deterministic, no ``[T·k, H]`` copy of the gathered
-    rows), instead of ``index_add_``'s atomic adds; ``fp32``: the sum in fp32."""
-    if tokens == 0 or rows.shape[0] == 0:
-        return rows.new_zeros(tokens, rows.shape[-1], dtype=torch.float32 if fp32 else rows.dtype)
-    if fp32 and rows.dtype != torch.float32:
-        return rows[inverse].view(tokens, -1, rows.shape[-1]).float().sum(1)
-    return F.embedding_bag(inverse.view(tokens, -1), rows, mode="sum")
+    ``j``-th choice (every token has exactly ``k``). A gather and one reduction (accumulated in
+    fp32, rounded once), instead of ``index_add_``'s atomic adds; deterministic. (``embedding_bag``
+    computes the same in one kernel, but took 0.72 ms against 0.47 ms on an H200 at 16k tokens,
+    top-8, hidden 2048: ``bench/moe_parts.py``.)"""
+    picked = rows[inverse].view(tokens, -1, rows.shape[-1])
+    return picked.float().sum(1) if fp32 else picked.sum(1)
 
 
 class _CombineRows(torch.autograd.Function):

@@ -1,0 +1,59 @@
+"""Times of an MoE layer's row operations at Qwen3-30B-A3B's training shape (8 x 2048 tokens,
+top-8, hidden 2048, expert width 768), each against the plain PyTorch form it replaces (GPU;
+information only)::
+
+    python3 bench/moe_parts.py
+
+* combine: each token's sum of its k rows, gather + sum (``sum_rows``) against ``embedding_bag``;
+* weighted activation: ``silu(g)·u·w`` fused, against silu_mul then a row scale, forward and
+  backward (with the scale's gradient).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import event_time_ms
+from ember.core.layers.activations import silu_mul
+from ember.core.layers.moe import sum_rows
+
+
+def main() -> None:
+    T, k, H, I = 16384, 8, 2048, 768
+    dev, dt = "cuda", torch.bfloat16
+    rows = torch.randn(T * k, H, device=dev, dtype=dt)
+    inverse = torch.randperm(T * k, device=dev)
+    gb = 3 * rows.numel() * 2 / 1e9
+    bags = inverse.view(T, k)
+    for name, fn in (("gather + sum", lambda: sum_rows(rows, inverse, T)),
+                     ("embedding_bag", lambda: torch.nn.functional.embedding_bag(bags, rows, mode="sum"))):
+        ms = event_time_ms(fn, 3, 20)
+        print(f"combine {name}: {ms:.3f} ms")
+    print(f"  (the gathered rows once: {rows.numel() * 2 / 1e9:.2f} GB; gather + sum moves ~{gb:.1f} GB)")
+
+    gu = torch.randn(T * k, 2 * I, device=dev, dtype=dt, requires_grad=True)
+    w = torch.rand(T * k, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn(T * k, I, device=dev, dtype=dt)
+
+    def fused():
+        g, u = gu.chunk(2, -1)
+        silu_mul(g, u, w).backward(dy)
+
+    def separate():
+        g, u = gu.chunk(2, -1)
+        a = silu_mul(g, u)
+        y = a * w[:, None]
+        y.backward(dy)
+
+    for name, fn in (("fused row scale", fused), ("silu_mul, then the scale", separate)):
+        ms = event_time_ms(fn, 3, 20)
+        print(f"weighted activation fwd+bwd {name}: {ms:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ember.engine_flags import WARMUP_MODES
+from ember.engine_flags import CHECKPOINTING_MODES, WARMUP_MODES
 
 DEFAULT_HOME = os.environ.get("EMBER_HOME", "~/.ember")
 
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                        "same paths on every node; --storage is a folder mounted alike on every node (checked at "
                        "start) or an fsspec URL, which only this machine reads and writes (the actors' checkpoint "
                        "folders travel through Ray) (docs/cluster.md)")
-    serve.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
+    serve.add_argument("--activation-checkpointing", default="auto", choices=CHECKPOINTING_MODES,
                        help="recompute each decoder layer's activations in the backward instead of keeping them, "
                        "for training passes (never sampling or forward-only ones): on (every layer), off, or auto: "
                        "in a pass whose estimated activations would not fit in the free GPU memory, the fewest "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 # --warmup of ember serve and of the engine (ember.engine.warmup)
 WARMUP_MODES = ("auto", "on", "off")
+# --activation-checkpointing of ember serve and of the engine (ember.core.checkpointing)
+CHECKPOINTING_MODES = ("auto", "on", "off")
 
 
 def engine_flag_errors(

@@ -73,8 +73,6 @@ from ember.core.layers.mlp import SwiGLU
 from ember.core.layers.moe import Experts, Routing
 from ember.core.models.base import CausalLM, ForwardContext
 
-MODES = ("auto", "on", "off")
-
 
 def _bank_snapshot(bank: ResidualBank) -> Callable[[], ResidualBank]:
     blocks = list(bank.normed)
@@ -393,5 +391,5 @@ def available_bytes(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-__all__ = ["MODES", "SNAPSHOTS", "LayerCheckpointing", "LayerRouting", "activation_bytes", "apply_checkpointing",
+__all__ = ["SNAPSHOTS", "LayerCheckpointing", "LayerRouting", "activation_bytes", "apply_checkpointing",
            "available_bytes", "checkpoint_order", "layer_elements", "layers_to_checkpoint"]

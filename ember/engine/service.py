@@ -36,7 +36,7 @@ from ember.engine.full_runs import NoRoom
 from ember.engine.stability import StabilityRecord, StabilityStore, resolve_datum
 from ember.engine.warmup import wants_warm_up, warm_up
 from ember.engine.worker import Worker
-from ember.engine_flags import WARMUP_MODES, engine_flag_errors, flag_values
+from ember.engine_flags import CHECKPOINTING_MODES, WARMUP_MODES, engine_flag_errors, flag_values
 from ember.jsonlog import setup_logging
 from ember.storage import Storage
 from ember.store import Store
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-fsdp", action="store_true",
                     help="shard each block of experts over the --nproc/--ep ranks that hold it (FSDP2, "
                     "ember.dist.fsdp); needs MoE layers and --nproc > --ep")
-    ap.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
+    ap.add_argument("--activation-checkpointing", default="auto", choices=CHECKPOINTING_MODES,
                     help="recompute each decoder layer's activations in backward (training passes only): on, "
                     "off, or auto (the default): in a pass whose estimated activations would not fit in the free "
                     "device memory, the fewest layers that make up the difference (CUDA; off elsewhere)")

@@ -38,7 +38,6 @@ from ember.core.batch import PackedBatch, pack
 from ember.core.checkpoint import FULL_FORMAT, checkpoint_format, load_adapter, save_adapter
 from ember.core.checkpointing import (
     HEAD_BYTES,
-    MODES,
     activation_bytes,
     apply_checkpointing,
     available_bytes,
@@ -61,6 +60,7 @@ from ember.core.stable_reinforce import stable_reinforce
 from ember.engine.custom_loss import LossProgram
 from ember.engine.full_runs import FullRuns, NoRoom, Weights
 from ember.engine.sampler import generation_request, sample_output
+from ember.engine_flags import CHECKPOINTING_MODES
 from ember.lossdefs import LOSS_SPECS, LossSpec, resolve_loss_config
 from ember.lossgraph import ProgramError
 from ember.types import (
@@ -121,8 +121,9 @@ class Worker:
         optimizer_device_bytes: int = 0,
         max_prefill_tokens: int | None = None,
     ):
-        if activation_checkpointing not in MODES:
-            raise ValueError(f"activation_checkpointing must be one of {MODES}, got {activation_checkpointing!r}")
+        if activation_checkpointing not in CHECKPOINTING_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING_MODES}, "
+                             f"got {activation_checkpointing!r}")
         self.model = model
         self.config = model.config
         self.bank = AdapterBank(model, max_adapters=max_adapters, max_rank=max_rank)

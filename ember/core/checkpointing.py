@@ -342,13 +342,24 @@ def layer_elements(model: CausalLM) -> list[int]:
     return out
 
 
-def activation_bytes(model: CausalLM, tokens: int, dtype_bytes: int | None = None, tp: int = 1) -> int:
-    """Estimated activation memory of a training pass of ``tokens`` tokens without checkpointing
-    (bytes): ``tokens ×`` the sum of :func:`layer_elements` in the model's dtype, divided by ``tp``
-    (tensor and sequence parallelism split every part of it), plus :data:`HEAD_BYTES`."""
+def kept_bytes(model: CausalLM, tokens: int, checkpointed: Iterable[int] = (), dtype_bytes: int | None = None,
+               tp: int = 1) -> int:
+    """Estimated activation memory a training forward of ``tokens`` tokens keeps (bytes) when the
+    layers ``checkpointed`` are checkpointed (each keeps only its input: one hidden size per
+    token, one per stream under hyper-connections): ``tokens ×`` :func:`layer_elements` in the
+    model's dtype, divided by ``tp`` (tensor and sequence parallelism split every part of it)."""
     if dtype_bytes is None:
         dtype_bytes = model.model.embed_tokens.weight.element_size()
-    return int(tokens * sum(layer_elements(model)) * dtype_bytes / max(tp, 1)) + HEAD_BYTES
+    ckpt = set(checkpointed)
+    kept_input = model.config.hidden_size * int(getattr(model.model, "streams", 1))
+    elements = sum(kept_input if i in ckpt else e for i, e in enumerate(layer_elements(model)))
+    return int(tokens * elements * dtype_bytes / max(tp, 1))
+
+
+def activation_bytes(model: CausalLM, tokens: int, dtype_bytes: int | None = None, tp: int = 1) -> int:
+    """Estimated activation memory of a training pass of ``tokens`` tokens without checkpointing
+    (bytes): :func:`kept_bytes` plus :data:`HEAD_BYTES`."""
+    return kept_bytes(model, tokens, (), dtype_bytes, tp) + HEAD_BYTES
 
 
 def checkpoint_order(model: CausalLM, elements: list[int] | None = None) -> list[int]:
@@ -366,7 +377,8 @@ def layers_to_checkpoint(model: CausalLM, excess: int, tokens: int, dtype_bytes:
     checkpointed layer still keeps its input (one hidden size per token, one per stream under
     hyper-connections), and its backward rebuilds its activations, one layer at a time, so the
     largest chosen layer's activations count against what is freed. ``scale`` multiplies the
-    estimate (the engine's measured-to-estimated ratio). All layers if that is not enough."""
+    estimate (the engine's measured-to-estimated ratio, below 1 where the estimate is high). All
+    layers if that is not enough."""
     if excess <= 0:
         return []
     if dtype_bytes is None:
@@ -392,4 +404,4 @@ def available_bytes(device: torch.device) -> int:
 
 
 __all__ = ["SNAPSHOTS", "LayerCheckpointing", "LayerRouting", "activation_bytes", "apply_checkpointing",
-           "available_bytes", "checkpoint_order", "layer_elements", "layers_to_checkpoint"]
+           "available_bytes", "checkpoint_order", "kept_bytes", "layer_elements", "layers_to_checkpoint"]

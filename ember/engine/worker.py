@@ -11,7 +11,7 @@ is on); sampling and forward-only passes never checkpoint. ``on`` checkpoints ev
 of every training pass (:mod:`ember.core.checkpointing`). ``auto`` (the default) decides per pass:
 on CUDA, when the pass's estimated activation memory
 (:func:`~ember.core.checkpointing.activation_bytes`, from the pass's tokens and the model's
-shape, or what earlier passes measured per token when that is more) plus the gradients the
+shape, scaled by what earlier passes kept against their estimate) plus the gradients the
 backward is yet to allocate exceed :data:`AUTO_FRACTION` of the memory still available on the
 device, it checkpoints the fewest layers that make up the difference
 (:func:`~ember.core.checkpointing.layers_to_checkpoint`: the layers that keep the most first;
@@ -38,10 +38,10 @@ from ember.core.batch import PackedBatch, pack
 from ember.core.checkpoint import FULL_FORMAT, checkpoint_format, load_adapter, save_adapter
 from ember.core.checkpointing import (
     HEAD_BYTES,
-    activation_bytes,
     apply_checkpointing,
     available_bytes,
     checkpoint_order,
+    kept_bytes,
     layers_to_checkpoint,
 )
 from ember.core.full_checkpoint import export_hf
@@ -140,7 +140,8 @@ class Worker:
         self.activation_checkpointing = activation_checkpointing
         self.checkpointing = apply_checkpointing(model) if activation_checkpointing != "off" else None
         self._auto_on = False  # the last auto decision (logged when it turns on)
-        self._kept_per_token = 0.0  # most activation bytes per token a training forward kept (CUDA)
+        # what training forwards kept against their estimate (CUDA; None: none measured yet)
+        self._kept_scale: float | None = None
         # full fine-tuning runs (rank 0) and their samplers, under negative slots (ember.engine.full_runs)
         self.full_finetune = full_finetune  # whether clients may start full runs (samplers of full weights: always)
         self.full = FullRuns(model, optimizer_offload, activation_checkpointing != "off", optimizer_device_bytes)
@@ -493,15 +494,19 @@ class Worker:
     def _checkpointed_logprobs(self, batch: PackedBatch, keys: list, targets, inv, routing,
                                weights: Weights | None = None) -> torch.Tensor:
         """:meth:`logprobs` of a pass with its layers checkpointed or not (:meth:`_checkpoint_pass`).
-        On CUDA a training pass of at least :data:`MEASURE_MIN_TOKENS` run without checkpointing
-        measures what its forward kept per token (what later ``auto`` decisions use when it exceeds
-        the shape's estimate). Under ``auto``, a
-        forward that runs out of memory in one process is run again with checkpointing (nothing has
-        reached the gradients yet); a sharded engine's ranks cannot retry alone, so there it fails."""
+        On CUDA a training pass of at least :data:`MEASURE_MIN_TOKENS` that keeps some layers'
+        activations measures what its forward kept against the estimate for its checkpointed
+        layers (:func:`~ember.core.checkpointing.kept_bytes`): the largest such ratio scales later
+        ``auto`` decisions, below 1 too (the estimate was fitted before fla and the fused
+        hyper-connections, and is high for them). Under ``auto``, a forward that runs out of memory
+        in one process is run again with checkpointing (nothing has reached the gradients yet), and
+        the ratio rises so that a pass of its size checkpoints from the start; a sharded engine's
+        ranks cannot retry alone, so there it fails."""
         weights = weights or self._weights(0)
         tokens = batch.num_tokens
         on = self._checkpoint_pass(tokens, keys, weights)
-        measure = self.device.type == "cuda" and not on and torch.is_grad_enabled() and tokens >= MEASURE_MIN_TOKENS
+        measure = (self.device.type == "cuda" and on is not True and torch.is_grad_enabled()
+                   and tokens >= MEASURE_MIN_TOKENS)
         before = torch.cuda.memory_allocated(self.device) if measure else 0
         try:
             with _checkpointing(weights, on):
@@ -511,15 +516,19 @@ class Worker:
                 raise
             lp = None  # retried below, once the exception (and the tensors its frames hold) is gone
         if lp is None:
-            self._kept_per_token = max(self._kept_per_token, available_bytes(self.device) / tokens)
+            estimate = max(kept_bytes(self.model, tokens), 1)
+            self._kept_scale = max(self._kept_scale or 1.0, available_bytes(self.device) / estimate)
             log.warning("activation checkpointing on: the pass ran out of memory without it; running it again",
                         extra={"tokens": tokens})
             self._auto_on = True
             with _checkpointing(weights, True):
                 return self.logprobs(batch, targets, inv, routing, weights)
         if measure:
-            kept = torch.cuda.memory_allocated(self.device) - before
-            self._kept_per_token = max(self._kept_per_token, kept / tokens)
+            parallel = getattr(self, "parallel", None)
+            estimate = kept_bytes(self.model, tokens, on or (), tp=parallel.layout.tp if parallel is not None else 1)
+            if estimate > 0:
+                ratio = (torch.cuda.memory_allocated(self.device) - before) / estimate
+                self._kept_scale = ratio if self._kept_scale is None else max(self._kept_scale, ratio)
         return lp
 
     def _checkpoint_pass(self, tokens: int, keys: list, weights: Weights | None = None) -> bool | frozenset[int]:
@@ -536,8 +545,10 @@ class Worker:
             return False
         parallel = getattr(self, "parallel", None)
         tp = parallel.layout.tp if parallel is not None else 1
-        estimate = activation_bytes(self.model, tokens, tp=tp)
-        need = max(estimate, int(tokens * self._kept_per_token))
+        scale = 1.0 if self._kept_scale is None else self._kept_scale
+        if parallel is not None and parallel.world > 1:
+            scale = max(scale, 1.0)  # ranks cannot retry a pass that runs out of memory: never below the estimate
+        need = int(kept_bytes(self.model, tokens, tp=tp) * scale) + HEAD_BYTES
         trained = [self.bank.get(s).flat for s in {s for s, trains in keys if s and trains}]
         if weights.model is not self.model and any(trains for _, trains in keys):  # a full fine-tuning run
             trained = [p for p in weights.model.parameters() if p.requires_grad]
@@ -545,8 +556,6 @@ class Worker:
             if p.grad is None:
                 need += p.numel() * p.element_size()
         available = available_bytes(self.device)
-        # what earlier passes measured beyond the estimate scales what each layer frees
-        scale = max(1.0, (need - HEAD_BYTES) / (estimate - HEAD_BYTES)) if estimate > HEAD_BYTES else 1.0
         layers = layers_to_checkpoint(self.model, need - int(AUTO_FRACTION * available), tokens, tp=tp, scale=scale)
         if parallel is not None and parallel.world > 1:  # every rank must checkpoint the same layers
             layers = agreed_layers(self.model, layers, self.device)

@@ -324,26 +324,28 @@ def test_the_flag_reaches_the_engine(capsys):
 def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, caplog):
     """One process, ``auto`` on CUDA (faked): a forward that runs out of memory without
     checkpointing runs again with it, and later passes of that size checkpoint from the start;
-    what a pass without checkpointing kept per token raises the estimate, if it is not too short
-    to measure. ``on`` does not retry."""
+    what a pass kept against its estimate scales later estimates, up or down, if the pass is not
+    too short to measure. ``on`` does not retry."""
     import ember.engine.worker as worker_mod
 
     worker = Worker.from_pretrained(model_dirs["qwen3"], "cpu", torch.float32)
     slot = worker.create_adapter(CONFIGS[0])
     batch = pack(random_sequences(320, [40], seed=1), [(slot, True)], "cpu")
-    calls, allocated = [], [0]
+    calls, allocated, kept_per_token = [], [0], [1000]
 
     def logprobs(batch, targets, inv=None, routing=None, weights=None):
         calls.append(len(worker.checkpointing.active) == len(worker.model.model.layers) or
                      (False if not worker.checkpointing.active else worker.checkpointing.active))
         if len(calls) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
-        allocated[0] += 1000 * batch.num_tokens
+        allocated[0] += kept_per_token[0] * batch.num_tokens
         return torch.zeros(batch.num_tokens, 1)
 
     monkeypatch.setattr(worker, "logprobs", logprobs)
     monkeypatch.setattr(worker_mod, "available_bytes", lambda device: 40 << 20)
-    monkeypatch.setattr(worker_mod, "activation_bytes", lambda model, tokens, tp=1: 0)
+    # an estimate of 500 bytes per token however many layers are checkpointed, no head
+    monkeypatch.setattr(worker_mod, "kept_bytes", lambda model, tokens, checkpointed=(), tp=1: 500 * tokens)
+    monkeypatch.setattr(worker_mod, "HEAD_BYTES", 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
     worker.device = torch.device("cuda")
     caplog.set_level(logging.INFO, logger="ember.engine.worker")
@@ -351,20 +353,62 @@ def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, 
     with torch.enable_grad():
         worker._checkpointed_logprobs(batch, keys, None, None, None)
         assert calls == [False, True]
-        assert worker._kept_per_token == (40 << 20) / 40  # at least what was free, per token
+        assert worker._kept_scale == (40 << 20) / (500 * 40)  # at least what was free, against the estimate
         assert worker._checkpoint_pass(40, keys)  # the next pass of this size checkpoints at once
         assert not worker._checkpoint_pass(1, keys)  # a small one does not
-        worker._kept_per_token = 0.0
+        worker._kept_scale = None
         worker._checkpointed_logprobs(batch, keys, None, None, None)  # fits, but too short to measure
-        assert calls[-1] is False and worker._kept_per_token == 0.0
+        assert calls[-1] is False and worker._kept_scale is None
         monkeypatch.setattr(worker_mod, "MEASURE_MIN_TOKENS", 40)
         worker._checkpointed_logprobs(batch, keys, None, None, None)  # fits: measures what it kept
-        assert calls[-1] is False and worker._kept_per_token == 1000
+        assert calls[-1] is False and worker._kept_scale == 2.0
+        worker._kept_scale = None
+        kept_per_token[0] = 200  # a pass that keeps less than its estimate lowers later ones
+        worker._checkpointed_logprobs(batch, keys, None, None, None)
+        assert worker._kept_scale == 0.4
+        worker._checkpointed_logprobs(batch, keys, None, None, None)
+        kept_per_token[0] = 300
+        worker._checkpointed_logprobs(batch, keys, None, None, None)
+        assert worker._kept_scale == 0.6  # the largest ratio measured
         calls.clear()
         worker.activation_checkpointing = "off"
         with pytest.raises(torch.cuda.OutOfMemoryError):
             worker._checkpointed_logprobs(batch, keys, None, None, None)
     assert "ran out of memory without it" in caplog.text
+
+
+def test_a_high_estimate_measured_checkpoints_fewer_layers(model_dirs, monkeypatch):
+    """CUDA faked: the first pass checkpoints some layers on the estimate; it kept half of what was
+    estimated for the layers it did not checkpoint, so the next pass of the same size needs no
+    checkpointing."""
+    import ember.engine.worker as worker_mod
+    from ember.core.checkpointing import HEAD_BYTES, kept_bytes
+
+    worker = Worker.from_pretrained(model_dirs["qwen3_next"], "cpu", torch.float32)
+    slot = worker.create_adapter(CONFIGS[0])
+    tokens = 1024
+    batch = pack(random_sequences(320, [tokens], seed=1), [(slot, True)], "cpu")
+    full = kept_bytes(worker.model, tokens)
+    grads = worker.bank.get(slot).flat.numel() * 4
+    avail = int((0.8 * full + HEAD_BYTES + grads) / 0.85)  # the estimate a little over, half of it under
+    allocated, seen = [0], []
+
+    def logprobs(batch, targets, inv=None, routing=None, weights=None):
+        active = worker.checkpointing.active
+        seen.append(set(active))
+        allocated[0] += kept_bytes(worker.model, tokens, active) // 2
+        return torch.zeros(batch.num_tokens, 1)
+
+    monkeypatch.setattr(worker, "logprobs", logprobs)
+    monkeypatch.setattr(worker_mod, "available_bytes", lambda device: avail)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    worker.device = torch.device("cuda")
+    with torch.enable_grad():
+        worker._checkpointed_logprobs(batch, [(slot, True)], None, None, None)
+        worker._checkpointed_logprobs(batch, [(slot, True)], None, None, None)
+    worker.device = torch.device("cpu")
+    assert 0 < len(seen[0]) < len(worker.model.model.layers), seen
+    assert abs(worker._kept_scale - 0.5) < 1e-3 and seen[1] == set()
 
 
 def test_auto_checkpoints_the_fewest_layers_that_free_enough():

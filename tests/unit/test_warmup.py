@@ -40,7 +40,7 @@ def test_warm_up_runs_each_path_and_leaves_the_worker_as_it_was(hf_models, caplo
     seconds = warm_up(warmed, warmed.config.vocab_size, lengths=(12, 20))
     assert seconds > 0
     assert caplog.text.count("warm-up: training pass") == 2 and "warm-up: sampling" in caplog.text
-    assert len(warmed.bank) == 0 and warmed._kept_per_token == fresh._kept_per_token
+    assert len(warmed.bank) == 0 and warmed._kept_scale == fresh._kept_scale
     assert warmed._sampler is None  # no KV cache held for an engine that may only train
     loss, grads = _step(warmed)
     want_loss, want_grads = _step(fresh)

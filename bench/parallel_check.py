@@ -10,7 +10,9 @@ against one process in fp32, the same weights):
 * the gradient norm that ``optim_step`` reports (and the fp64 norm of the exported gradient);
 * sampled tokens with fixed seeds (sequences identical, mean length of the common prefix) and the
   logprobs of the tokens both drew, and whether each decoded through the static (CUDA-graph)
-  decoder (the engine does not use it for sharded models yet).
+  decoder (by default the engine does not use it for sharded models; ``--static-decode`` makes
+  both sides use it: dense models, where the split projections' collectives are captured in the
+  graphs).
 
 The gradients leave each worker through its own export: every rank copies its adapter's
 gradient into the adapter's weights, and ``export_peft`` gathers them into a PEFT folder as it
@@ -18,6 +20,7 @@ would the weights.
 
     python3 bench/parallel_check.py --shape qwen3-30b-a3b --layers 2 --nproc 2 --ep 2     # GPUs, NCCL
     python3 bench/parallel_check.py --shape qwen3-8b --layers 2 --nproc 2 --tp 2
+    python3 bench/parallel_check.py --shape qwen3-8b --layers 2 --nproc 2 --tp 2 --static-decode
     python3 bench/parallel_check.py --shape tiny-moe --nproc 2 --ep 2 --seq-len 24     # CPU, gloo
 """
 
@@ -79,13 +82,20 @@ def _run(worker, slot: int, seqs, prompts, args, grads_dir: Path | None) -> dict
     return result
 
 
+def _sampler(args):
+    """The sampler's configuration: the engine's default, or the static decoder on both sides."""
+    from ember.core.sampling import SamplerConfig
+
+    return SamplerConfig(static_decode=True) if args.static_decode else None
+
+
 def _reference(args, cfg, seqs, prompts, tmp: Path) -> tuple[dict, dict]:
     """One process in the model's dtype and in fp32 (the noise). Writes what the ranks load: the
     model as a Hugging Face folder (through transformers, so that each rank reads its shards of
     the same weights as a served model does) and the adapter."""
     model = random_ember_model(cfg, DEVICE, DTYPE, seed=0)
     hf_model_like(model, cfg, DTYPE, DEVICE).save_pretrained(str(tmp / "model"))
-    worker = Worker(model, max_adapters=2, max_rank=max(64, args.rank))
+    worker = Worker(model, max_adapters=2, max_rank=max(64, args.rank), sampler_config=_sampler(args))
     slot = worker.create_adapter(LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=frozenset(("attn", "mlp"))))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # B too, so that the adapter changes the logprobs
@@ -97,7 +107,7 @@ def _reference(args, cfg, seqs, prompts, tmp: Path) -> tuple[dict, dict]:
     del worker
     fp32 = copy.deepcopy(model).float() if DTYPE != torch.float32 else model
     del model
-    worker = Worker(fp32, max_adapters=2, max_rank=max(64, args.rank))
+    worker = Worker(fp32, max_adapters=2, max_rank=max(64, args.rank), sampler_config=_sampler(args))
     noise = _run(worker, worker.import_peft(tmp / "adapter"), seqs, prompts, args, tmp / "grads_fp32")
     del worker, fp32
     if DEVICE == "cuda":
@@ -113,7 +123,7 @@ def _rank(rank: int, world: int, args, cfg, seqs, prompts, tmp: str) -> dict | N
     par = Parallel(args.ep, args.tp)
     device = f"cuda:{rank}" if DEVICE == "cuda" else "cpu"
     model = load_model(Path(tmp) / "model", device, DTYPE, parallelize=lambda m: parallelize(m, par))
-    worker = ShardedWorker(model, par, max_adapters=2, max_rank=max(64, args.rank))
+    worker = ShardedWorker(model, par, max_adapters=2, max_rank=max(64, args.rank), sampler_config=_sampler(args))
     slot = worker.import_peft(Path(tmp) / "adapter")
     out = _run(worker, slot, seqs, prompts, args, Path(tmp) / "grads_par")
     return out if rank == 0 else None
@@ -156,6 +166,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--static-decode", action="store_true",
+                    help="decode through the static (CUDA-graph) decoder on both sides (dense models)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     if args.ep == 1 and args.tp == 1:

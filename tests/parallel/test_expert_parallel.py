@@ -119,6 +119,14 @@ def test_qwen3_tp2(qwen3_dir):
     run(2, ep_cases.expert_parallel_step, qwen3_dir, 1, False, 1e-5, 2)
 
 
+def test_qwen3_tp2_static_decode(qwen3_dir):
+    """The static (CUDA-graph) decoder under tensor parallelism: the split projections' collectives
+    run in its step, the LM head's vocabulary parts are gathered before the draw."""
+    from tests.parallel import worker_cases
+
+    run(2, worker_cases.static_decode_matches_one_process, qwen3_dir, 2)
+
+
 def test_qwen3_tp2_dp2(tmp_path_factory):
     """Two TP groups of two ranks running different sequences; the LM head tied to the embedding
     (the embedding stays whole, the head reads this rank's rows of it)."""

@@ -91,3 +91,52 @@ def _check(fan: FanOut, ref: Worker, tmp: Path):
         for gs, ws in zip(g.sequences, w.sequences):
             assert list(gs.tokens) == list(ws.tokens)
             np.testing.assert_allclose(gs.logprobs, ws.logprobs, atol=1e-5, rtol=0)
+
+
+def static_decode_matches_one_process(rank: int, world: int, model_dir: str, tp: int):
+    """The static decoder (CUDA graphs' step, run eagerly here) of a tensor-parallel engine:
+    the same seeded tokens and logprobs as one process's static and eager decoders, with mixed
+    adapters (the LM head's LoRA too)."""
+    from ember.core.sampling import SamplerConfig
+
+    static = dict(KW, sampler_config=SamplerConfig(static_decode=True))
+    worker = ShardedWorker.from_pretrained(model_dir, Parallel(1, tp), "cpu", torch.float32, **static)
+    if rank:
+        follow(worker)
+        return
+    fan = FanOut(worker)
+    refs = {"static": Worker.from_pretrained(model_dir, "cpu", torch.float32, **static),
+            "eager": Worker.from_pretrained(model_dir, "cpu", torch.float32, **KW)}
+    try:
+        slots = {}
+        for i, c in enumerate(CONFIGS):
+            weights = {}
+            for name, ref in refs.items():
+                s = ref.create_adapter(c)
+                randomise(ref.adapter(s), seed=30 + i, scale=0.05)
+                weights[name] = s
+            path = Path(_tmp()) / f"a{i}"
+            refs["static"].save_adapter(weights["static"], path, with_optimizer=False)
+            slots[i] = fan.load_adapter(path, with_optimizer=False)
+            assert slots[i] == weights["static"] == weights["eager"]
+        assert worker.sampler.static is not None and refs["static"].sampler.static is not None
+        vocab = refs["eager"].config.vocab_size
+        prompts = random_sequences(vocab, [5, 9, 3, 6], seed=71)  # CONFIGS[2] adapts the LM head too
+        reqs = [SampleInput(slots[i] if i < len(slots) else 0, np.array(p),
+                            SamplingParams(max_tokens=7, temperature=1.0, seed=11 + i), num_samples=2)
+                for i, p in enumerate(prompts)]
+        got = fan.sample(reqs)
+        for ref in refs.values():
+            for g, w in zip(got, ref.sample(reqs)):
+                for gs, ws in zip(g.sequences, w.sequences):
+                    assert list(gs.tokens) == list(ws.tokens)
+                    np.testing.assert_allclose(gs.logprobs, ws.logprobs, atol=1e-5, rtol=0)
+        assert refs["eager"].sampler.static is None
+    finally:
+        fan.stop()
+
+
+def _tmp() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="ember-static-tp-")

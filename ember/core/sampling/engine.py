@@ -769,6 +769,9 @@ def _routing_array(record: dict[int, torch.Tensor], start: int, n: int) -> np.nd
 
 
 def _sharded(model: CausalLM) -> bool:
-    """Whether some projection is split across processes (its collectives run in the module's
-    forward, which the static decoder's fused kernels do not call)."""
+    """Whether some projection is split across processes. The static decoder runs such a model
+    correctly (the split projections' collectives run in its step, the LM head's vocabulary parts
+    are gathered before the draw; ``tests/parallel``, gloo), but it is not the default there until
+    capturing those collectives in CUDA graphs has been run on several GPUs (``static_decode=True``
+    forces it: ``bench/parallel_check.py --static-decode``)."""
     return any(isinstance(m, LoraLinear) and m.shard is not None for m in model.modules())

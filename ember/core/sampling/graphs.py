@@ -17,7 +17,9 @@ every pointer fixed, so this decoder
 
 Everything but the capture itself runs eagerly on the CPU too, which is how the tests check it
 against :class:`~ember.core.sampling.decode.EagerDecoder`. Used for dense families without
-recurrent state or MoE routing (the engine decides); the stacks are synced from the adapter bank
+recurrent state or MoE routing (the engine decides); under tensor parallelism the split
+projections' collectives run in the step (their modules' ``shard``) and the LM head's vocabulary
+parts are gathered before the draw. The stacks are synced from the adapter bank
 whenever a request is admitted, so sampling reads the weights the trainer last wrote.
 """
 
@@ -42,7 +44,7 @@ from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
 from ember.core.sampling.kv_cache import PagedKVCache
-from ember.core.sampling.logits import capped, head_record, sample_rows
+from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
 
 RANK_MULTIPLE = 16
 
@@ -467,9 +469,12 @@ class StaticDecoder:
             max_positions=self.max_positions,
         )
         hidden = self.model.hidden_states(buf.input_ids, ctx)
-        logits = chunk_logits(hidden, self.model.unembed_weight, [], 0, hidden.shape[0])
+        vocab = self.model.vocab_split  # the LM head split by vocabulary (tensor parallelism)
+        weight = self.model.unembed_weight if vocab is None else vocab.local(self.model.unembed_weight)
+        logits = chunk_logits(hidden, weight, [], 0, hidden.shape[0])
         if use_lora:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
+        logits = gather_vocab(logits, vocab)
         # every row's plain draw and its logprob, in the graph (one kernel); the engine uses the rows
         # whose parameters are plain (see DecodeBatch.inv_temperature)
         softcap = self.model.final_logit_softcap

@@ -67,9 +67,15 @@ def head_logits(
     if vocab is not None:
         weight = vocab.local(weight)
     logits = chunk_logits(hidden, weight, head_lora_parts(hidden, lora, lora_name), 0, hidden.shape[0])
+    return gather_vocab(logits, vocab)
+
+
+def gather_vocab(logits: torch.Tensor, vocab: VocabSplit | None) -> torch.Tensor:
+    """The whole vocabulary's logits ``[N, V]`` from each process's part ``[N, V / tp]`` (as they
+    are without a split)."""
     if vocab is None:
         return logits
-    return vocab.gather(logits).permute(1, 0, 2).reshape(hidden.shape[0], vocab.size)
+    return vocab.gather(logits).permute(1, 0, 2).reshape(logits.shape[0], vocab.size)
 
 
 def log_softmax(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -434,13 +434,18 @@ def test_flex_attention_forward_matches_eager_on_cpu():
         torch.testing.assert_close(flex, eager, atol=1e-5, rtol=0)
 
 
-def test_document_block_mask_equals_create_block_mask():
+@pytest.mark.parametrize("chunk", [1 << 24, 1])
+def test_document_block_mask_equals_create_block_mask(chunk, monkeypatch):
     """The block mask built from each query's interval of keys is create_block_mask's, index for
     index (partial and full blocks, both directions), for packed documents across block borders,
-    lengths that are not a multiple of the block, windows below, at and above the block size."""
+    lengths that are not a multiple of the block, windows below, at and above the block size;
+    computed at once and one query block at a time (as at long context)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from ember.core.layers import relative_attention
     from ember.core.layers.relative_attention import document_block_mask, window_mask
+
+    monkeypatch.setattr(relative_attention, "MASK_CHUNK", chunk)
 
     fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")

@@ -135,6 +135,10 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return b.sum(-1).to(torch.int32), cols.to(torch.int32)
 
 
+# elements of the (query, key block) comparisons document_block_mask makes at a time
+MASK_CHUNK = 1 << 24
+
+
 def document_block_mask(doc: torch.Tensor, window: int | None, block: int = 128):
     """The FlexAttention ``BlockMask`` of :func:`window_mask` (``doc`` ``[T]``: each token's
     document, non-decreasing), computed from what each query may see rather than from a ``[T, T]``
@@ -154,12 +158,19 @@ def document_block_mask(doc: torch.Tensor, window: int | None, block: int = 128)
     n = -(-T // block)
     first = torch.arange(n, device=doc.device) * block  # each key block's first key
     last = (first + block - 1).clamp(max=T - 1)  # and its last real one
-    # per query row and key block; rows past T (padding of the last query block) see nothing
-    meets = (lo[:, None] <= last) & (idx[:, None] >= first)
-    covers = (lo[:, None] <= first) & (idx[:, None] >= first + block - 1)
+    # rows past T (padding of the last query block) see nothing; query blocks in chunks, so that
+    # the [rows, n] comparisons stay small at long context (1M tokens: 8192 blocks)
     pad = n * block - T
-    meets = torch.nn.functional.pad(meets, (0, 0, 0, pad)).view(n, block, n).any(1)
-    covers = torch.nn.functional.pad(covers, (0, 0, 0, pad)).view(n, block, n).all(1)
+    lo = torch.nn.functional.pad(lo, (0, pad), value=T)
+    idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
+    step = max(1, MASK_CHUNK // (block * n))
+    meets, covers = [], []
+    for b0 in range(0, n, step):
+        rows = slice(b0 * block, min(n, b0 + step) * block)
+        lo_r, idx_r = lo[rows, None], idx[rows, None]
+        meets.append(((lo_r <= last) & (idx_r >= first)).view(-1, block, n).any(1))
+        covers.append(((lo_r <= first) & (idx_r >= first + block - 1)).view(-1, block, n).all(1))
+    meets, covers = torch.cat(meets), torch.cat(covers)
     partial, full = _ordered(meets & ~covers), _ordered(covers)
     return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=window_mask(doc, window),
                                     seq_lengths=(T, T))

@@ -2,9 +2,9 @@
 
 On a fresh GPU machine the first pass of some families is slow for reasons that have nothing to
 do with its size: flash-linear-attention autotunes each of its Triton kernels on first use (Gated
-DeltaNet families: 45-175 s on an H200), FlexAttention and ``torch.compile`` compile theirs
-(Inkling2's relative attention: most of a 219 s first step; qwen4_exp's hyper-connections), and the
-sampler compiles its Triton kernels. Without a warm-up the first client's request pays for it and
+DeltaNet families: 45-187 s on an H200), FlexAttention compiles Inkling2's relative attention
+(5-7 s per variant, 17 s of its first step, and once more for the first batch of another
+composition), and Triton compiles Ember's own kernels (the sampler's, the hyper-connections'). Without a warm-up the first client's request pays for it and
 may time out.
 
 :func:`warm_up` runs, through the worker's public calls (so a sharded engine's ranks all take

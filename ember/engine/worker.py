@@ -524,12 +524,16 @@ class Worker:
             with _checkpointing(weights, True):
                 return self.logprobs(batch, targets, inv, routing, weights)
         if measure:
-            parallel = getattr(self, "parallel", None)
-            estimate = kept_bytes(self.model, tokens, on or (), tp=parallel.layout.tp if parallel is not None else 1)
+            estimate = kept_bytes(self.model, tokens, on or (), tp=self._tp())
             if estimate > 0:
                 ratio = (torch.cuda.memory_allocated(self.device) - before) / estimate
                 self._kept_scale = ratio if self._kept_scale is None else max(self._kept_scale, ratio)
         return lp
+
+    def _tp(self) -> int:
+        """This engine's tensor-parallel degree (1 in one process)."""
+        parallel = getattr(self, "parallel", None)
+        return parallel.layout.tp if parallel is not None else 1
 
     def _checkpoint_pass(self, tokens: int, keys: list, weights: Weights | None = None) -> bool | frozenset[int]:
         """Which layers this pass (``tokens`` tokens of ``keys``' (slot, trains) sequences, on
@@ -544,7 +548,7 @@ class Worker:
         if self.device.type != "cuda":
             return False
         parallel = getattr(self, "parallel", None)
-        tp = parallel.layout.tp if parallel is not None else 1
+        tp = self._tp()
         scale = 1.0 if self._kept_scale is None else self._kept_scale
         if parallel is not None and parallel.world > 1:
             scale = max(scale, 1.0)  # ranks cannot retry a pass that runs out of memory: never below the estimate

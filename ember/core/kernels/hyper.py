@@ -129,10 +129,6 @@ if HAVE_TRITON:
 _BLOCK = 1024  # columns per program of the read and write kernels
 
 
-def _row_block(H: int) -> int:
-    return triton.next_power_of_2(H)
-
-
 def _warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
@@ -154,7 +150,7 @@ class HyperRead(torch.autograd.Function):
         H = NH // n
         normed = torch.empty_like(x)
         r = torch.empty(T, n, dtype=torch.float32, device=x.device)
-        block = _row_block(H)
+        block = triton.next_power_of_2(H)
         _norm_fwd[(T, n)](x, norm_w, normed, r, H, NH, eps, N=n, BLOCK=block, num_warps=_warps(block))
         d = F.linear(normed, w_down)
         m_pre = F.linear(_mix_input(d, n), w_up)
@@ -189,7 +185,7 @@ class HyperRead(torch.autograd.Function):
         # ι = 2σ(p / n): dp = dι · ι (1 - ι / 2) / n
         g_inj = (g_gates.float() * gates * (1.0 - gates / 2) / n).contiguous() if has_inj else r
         gx = torch.empty_like(x)
-        block = _row_block(H)
+        block = triton.next_power_of_2(H)
         _norm_bwd[(T, n)](x, norm_w, r, g_normed, g_inj, w_inj if has_inj else x, gx, H, NH, N=n,
                           HAS_INJ=has_inj, BLOCK=block, num_warps=_warps(block))
         return gx, None, None, None, None, None, None

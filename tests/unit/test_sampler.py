@@ -306,15 +306,19 @@ def test_mixed_adapters_equal_alone(family, hf_models):
     _no_leak(worker)
 
 
-def test_static_decode_path_equals_eager(hf_models):
-    """The static-shape decode step (bucket padding, stacked LoRA through grouped products; what CUDA
-    graphs capture) gives the eager step's tokens and logprobs."""
-    _, path = hf_models["qwen3"]
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_static_decode_path_equals_eager(family, hf_models):
+    """The static-shape decode step (bucket padding, stacked LoRA through grouped products, routed
+    experts with their LoRA stacked per expert group; what CUDA graphs capture) gives the eager
+    step's tokens and logprobs, with mixed adapters (one without expert LoRA) and base rows."""
+    _, path = hf_models[family]
     results = []
     for static in (False, True):
         worker = _worker(path, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=static))
         slots = _adapters(worker, CONFIGS)
-        results.append(worker.sample(_mixed_requests(slots)))
+        reqs = _mixed_requests(slots)
+        reqs[1] = dataclasses.replace(reqs[1], slot=0)  # a base-model row among adapted ones
+        results.append(worker.sample(reqs))
         assert (worker.sampler.static is not None) == static
     for a, b in zip(*results):
         assert _tokens(a) == _tokens(b)

@@ -98,7 +98,8 @@ class SamplerConfig:
       exceed it).
     * ``chunked_prefill``: prefill prompts in chunks as above (``False``: always whole).
     * ``static_decode``: decode with static shapes (:mod:`ember.core.sampling.graphs`); ``None``:
-      on CUDA for dense Llama/Qwen3 models in bf16. ``cuda_graphs``: capture those steps.
+      on CUDA for Llama, Qwen3 and Qwen3-MoE models in bf16 (not sharded). ``cuda_graphs``: capture
+      those steps.
     * ``rollout_precision``: ``bf16`` (the model's weights), ``fp8`` or ``mxfp8``: the base projections
       and routed experts run a quantised copy in the sampler's passes only
       (:mod:`ember.core.rollout_precision`), the static decoder's too.
@@ -151,7 +152,7 @@ class EngineStats:
     first_token_time: float | None = None  # perf_counter() when the first token was sampled
 
 
-STATIC_FAMILIES = {"llama", "qwen3"}
+STATIC_FAMILIES = {"llama", "qwen3", "qwen3_moe"}
 # families whose prompts may continue a cached prefix: only attention layers (plain or sliding)
 # carry context. Hybrid families (qwen3_next, qwen4_exp: linear attention; inkling2: short
 # convolutions and relative attention) keep per-sequence recurrent state that the pages do not
@@ -206,7 +207,6 @@ class SamplingEngine:
                 self.device.type == "cuda"
                 and dtype == torch.bfloat16
                 and model.config.model_type in STATIC_FAMILIES
-                and model.config.moe is None
                 and not _sharded(model)
             )
         self.static = None

@@ -15,9 +15,14 @@ every pointer fixed, so this decoder
   Triton kernels of :mod:`ember.core.kernels.lora_decode` (added into the base output in place);
   elsewhere as two grouped products.
 
+Routed experts keep their grouped products (routing, sort and group ends stay on the device, so
+they capture too); their LoRA factors are stacked per expert group (one per slot with expert LoRA,
+after a zero group for rows without one), so a bank of many slots costs an expert stack entry only
+for the adapters that sample.
+
 Everything but the capture itself runs eagerly on the CPU too, which is how the tests check it
-against :class:`~ember.core.sampling.decode.EagerDecoder`. Used for dense families without
-recurrent state or MoE routing (the engine decides); under tensor parallelism the split
+against :class:`~ember.core.sampling.decode.EagerDecoder`. Used for families without recurrent
+state (the engine decides; no MoE routing record); under tensor parallelism the split
 projections' collectives run in the step (their modules' ``shard``) and the LM head's vocabulary
 parts are gathered before the draw. The stacks are synced from the adapter bank
 whenever a request is admitted, so sampling reads the weights the trainer last wrote.
@@ -47,6 +52,7 @@ from ember.core.sampling.kv_cache import PagedKVCache
 from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
 
 RANK_MULTIPLE = 16
+EXPERT_RANK_MULTIPLE = 8
 
 
 def default_buckets(max_seqs: int) -> tuple[int, ...]:
@@ -161,24 +167,61 @@ class LoraStacks:
         self.member: dict[str, tuple[str, int]] = {}  # module -> (group, index in the group)
         self.synced: set[int] = set()
         self.version = 0  # bumped when the stacks are reallocated (captured graphs become stale)
+        # expert factors: one group per synced slot with expert LoRA, after group 0 (zeros, for rows
+        # without one); expert_group maps a slot to its group (see moe_token_group)
+        self.expert_shapes = {
+            t.name: (t.num_experts, t.in_features, t.out_features) for t in bank.targets if t.num_experts is not None
+        }
+        self.expert_rank = 0
+        self.experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # [E, G, R, in], [E, G, out, R]
+        self.expert_slots: list[int] = [0]  # the slot of each expert group
+        self.expert_group = torch.zeros(self.groups, dtype=torch.long, device=self.device)
 
     def sync(self, slots: Iterable[int]) -> None:
         """Copy the current factors of ``slots`` (adapters of the bank) into the stacks."""
         adapters = [self.bank.get(s) for s in sorted(set(slots)) if s]
         if not adapters:
             return
-        for a in adapters:
-            expert = [n for n in a.weights if n not in self.shapes]
-            if expert:
-                raise ValueError(f"static decode has no expert LoRA (adapter {a.slot} adapts {expert[0]})")
-        rank = max(a.config.rank for a in adapters)
-        names = {n for a in adapters for n in a.weights}
-        names |= {n for g in self.shared if names & set(g) for n in g}
-        if rank > self.rank or not names <= set(self.stacks):
-            self._allocate(max(rank, self.rank), names | set(self.stacks))
+        dense = [[n for n in a.weights if n in self.shapes] for a in adapters]
+        expert = [[n for n in a.weights if n in self.expert_shapes] for a in adapters]
+        grown = False
+        if any(dense):
+            rank = max(a.weights[n].rank for a, ns in zip(adapters, dense) for n in ns)
+            names = {n for ns in dense for n in ns}
+            names |= {n for g in self.shared if names & set(g) for n in g}
+            if rank > self.rank or not names <= set(self.stacks):
+                self._allocate(max(rank, self.rank), names | set(self.stacks))
+                grown = True
+        if any(expert):
+            rank = max(a.weights[n].rank for a, ns in zip(adapters, expert) for n in ns)
+            names = {n for ns in expert for n in ns}
+            new = [a.slot for a, ns in zip(adapters, expert) if ns and a.slot not in self.expert_slots]
+            if rank > self.expert_rank or not names <= set(self.experts) or new:
+                self._allocate_experts(max(rank, self.expert_rank), names | set(self.experts), new)
+                grown = True
+        if grown:  # new tensors: every synced adapter is copied again
+            self.version += 1
+            previous, self.synced = self.synced, set()
+            again = {s for s in previous if s in self.bank} - {a.slot for a in adapters}
+            adapters = [self.bank.get(s) for s in sorted(again)] + adapters
         with torch.no_grad():
             for a in adapters:
                 self._copy(a)
+
+    def _allocate_experts(self, rank: int, names: set[str], new_slots: list[int]) -> None:
+        # grouped products need 16-byte rows: ranks of bf16 factors padded to a multiple of 8
+        self.expert_rank = R = math.ceil(rank / EXPERT_RANK_MULTIPLE) * EXPERT_RANK_MULTIPLE
+        self.expert_slots = self.expert_slots + sorted(new_slots)
+        G = len(self.expert_slots)
+        self.experts = {}
+        for name in sorted(names):
+            E, i, o = self.expert_shapes[name]
+            A = torch.zeros(E, G, R, i, dtype=self.dtype, device=self.device)
+            B = torch.zeros(E, G, o, R, dtype=self.dtype, device=self.device)
+            self.experts[name] = (A, B)
+        group = torch.zeros(self.groups, dtype=torch.long)
+        group[self.expert_slots[1:]] = torch.arange(1, G)
+        self.expert_group.copy_(group)  # in place: captured graphs read this tensor
 
     def _allocate(self, rank: int, names: set[str]) -> None:
         self.rank = R = math.ceil(rank / RANK_MULTIPLE) * RANK_MULTIPLE
@@ -197,12 +240,6 @@ class LoraStacks:
                 self.stacks[name] = (A_all[:, cols], B_all[:, o : o + outs[j], cols])
                 self.member[name] = (members[0], j)
                 o += outs[j]
-        self.version += 1
-        previous, self.synced = self.synced, set()
-        with torch.no_grad():
-            for s in previous:
-                if s in self.bank:
-                    self._copy(self.bank.get(s))
 
     def _copy(self, adapter) -> None:
         s = adapter.slot
@@ -214,6 +251,16 @@ class LoraStacks:
                 r = w.rank
                 A[s, :r].copy_(w.A)
                 B[s, :, :r].copy_(w.B * adapter.scale)
+        if s in self.expert_slots:
+            g = self.expert_slots.index(s)
+            for name, (A, B) in self.experts.items():
+                A[:, g].zero_()
+                B[:, g].zero_()
+                w = adapter.weights.get(name)
+                if w is not None:
+                    r = w.rank
+                    A[:, g, :r].copy_(w.A)
+                    B[:, g, :, :r].copy_(w.B * adapter.scale)
         self.synced.add(s)
 
 
@@ -228,7 +275,11 @@ class StaticRoute:
     the group's stacks, and every member (called with the same tensor) returns its columns of it.
     Where the weights are not packed, the shrink is still shared and each member expands its own
     block. On the Triton path the fp32 ``h`` of every group lives in one workspace, zeroed once per
-    step. ``lora=False``: base weights only (a batch without adapters)."""
+    step. ``lora=False``: base weights only (a batch without adapters).
+
+Routed experts (MoE layers) run their ordinary grouped products over (expert, group) pairs: a row's
+group is its slot's expert group (:attr:`LoraStacks.expert_group`), and the factors are the
+stacks' ``[E, G, R, in]`` / ``[E, G, out, R]`` seen as ``E·G`` pairs."""
 
     def __init__(
         self,
@@ -237,12 +288,15 @@ class StaticRoute:
         n_rows: torch.Tensor | None = None,
         packed: PackedLinears | None = None,
         lora: bool = True,
+        rows: int | None = None,
     ):
         self.stacks = stacks
         self.offsets = offsets
         self.n_rows = n_rows
         self.packed = packed
         self.lora = lora
+        self.rows = rows  # the padded row count (the routed experts' groups need it)
+        self._token_group: torch.Tensor | None = None
         self._h: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, h of the group)
         self._y: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, packed output)
         self._workspace: torch.Tensor | None = None
@@ -326,8 +380,38 @@ class StaticRoute:
             self._y = (key, x, y)
         return self._y[2][:, start:end]
 
-    def expert_delta(self, *args, **kwargs):
-        raise NotImplementedError("static decode has no expert LoRA; MoE models decode eagerly")
+    # -- routed experts (the interface of LoraRoute that ember.core.layers.moe uses) ---------------
+
+    @property
+    def moe_adapters(self) -> list[int]:
+        """The slot of each expert row group (:attr:`LoraStacks.expert_slots`; one group, the base
+        model's, without expert LoRA): only their number matters to the MoE layers."""
+        return self.stacks.expert_slots if self.lora and self.stacks.experts else [0]
+
+    def moe_token_group(self) -> torch.Tensor:
+        """Every row's expert group, ``[rows]`` (long): its slot's, by binary search in ``offsets``
+        (padding rows fall in the last slot; their outputs are dropped)."""
+        if self._token_group is None:
+            if self.rows is None:
+                raise ValueError("StaticRoute(rows=...) is needed for routed experts")
+            row = torch.arange(self.rows, dtype=self.offsets.dtype, device=self.offsets.device)
+            slot = torch.searchsorted(self.offsets, row, right=True).clamp_(max=self.offsets.shape[0] - 1)
+            self._token_group = self.stacks.expert_group[slot]
+        return self._token_group
+
+    def expert_factors(
+        self, name: str, row_group: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The stacked factors of expert module ``name`` over (expert, group) pairs (``[E·G, R, in]``,
+        ``[E·G, out, R]``, the scale folded into ``B``) and a row scale of ones; ``None`` when no
+        synced adapter adapts it."""
+        st = self.stacks.experts.get(name) if self.lora else None
+        if st is None:
+            return None
+        A, B = st
+        E, G, R = A.shape[:3]
+        ones = torch.ones(row_group.shape[0], dtype=dtype, device=row_group.device)
+        return A.view(E * G, R, A.shape[-1]), B.view(E * G, B.shape[2], R), ones
 
 
 @dataclass
@@ -459,7 +543,8 @@ class StaticDecoder:
             self._staged.record()
 
     def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora)
+        route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
+                            rows=buf.positions.shape[0])
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens),

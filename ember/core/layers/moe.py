@@ -205,7 +205,8 @@ class ExpertRows:
         (default: the route's)."""
         T, k = routing.experts.shape
         flat_expert = routing.experts.reshape(-1)
-        flat_token = torch.arange(T, device=flat_expert.device).repeat_interleave(k)
+        # each token k times (an expand: no output size to read back, so a decode step can be captured)
+        flat_token = torch.arange(T, device=flat_expert.device)[:, None].expand(T, k).reshape(-1)
         groups = len(lora.moe_adapters) if lora is not None else 1
         if groups > 1:
             row_group = (lora.moe_token_group() if token_group is None else token_group)[flat_token]

@@ -277,9 +277,9 @@ class StaticRoute:
     block. On the Triton path the fp32 ``h`` of every group lives in one workspace, zeroed once per
     step. ``lora=False``: base weights only (a batch without adapters).
 
-Routed experts (MoE layers) run their ordinary grouped products over (expert, group) pairs: a row's
-group is its slot's expert group (:attr:`LoraStacks.expert_group`), and the factors are the
-stacks' ``[E, G, R, in]`` / ``[E, G, out, R]`` seen as ``E·G`` pairs."""
+    Routed experts (MoE layers) run their ordinary grouped products over (expert, group) pairs: a
+    row's group is its slot's expert group (:attr:`LoraStacks.expert_group`), and the factors are
+    the stacks' ``[E, G, R, in]`` / ``[E, G, out, R]`` seen as ``E·G`` pairs."""
 
     def __init__(
         self,

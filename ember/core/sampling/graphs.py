@@ -152,7 +152,12 @@ class LoraStacks:
     :func:`shared_input_groups`) are stacked together, all of them once any is adapted:
     ``A`` side by side along r (``[slots + 1, members · r, in]``) and ``B`` block-diagonal
     (``[slots + 1, sum of outs, members · r]``), so one shrink and one expand serve the group
-    (:attr:`fused`); each module's own ``A`` and ``B`` are views of its blocks."""
+    (:attr:`fused`); each module's own ``A`` and ``B`` are views of its blocks.
+
+    Routed experts' factors (:attr:`experts`) are stacked per expert group instead of per slot:
+    group 0 holds zeros (rows without expert LoRA), then one group per synced slot whose adapter
+    adapts experts (:attr:`expert_slots`, mapped from slots by :attr:`expert_group`), ranks padded
+    to a multiple of :data:`EXPERT_RANK_MULTIPLE`."""
 
     def __init__(self, bank: AdapterBank, dtype: torch.dtype, shared: list[list[str]] = ()):
         self.bank = bank

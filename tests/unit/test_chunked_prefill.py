@@ -125,7 +125,10 @@ def test_chunked_outputs_equal_whole_prefill(family, tmp_path_factory):
     # Gated DeltaNet's chunked form accumulates in another order when its 64-token blocks start
     # elsewhere (a one-token pass takes the recurrent form): fp32 rounding, up to 4e-5 measured here,
     # as far from the trainer's logprobs as the whole prefill's (test_sampler_families allows 3e-4)
-    atol = 1e-4 if family == "qwen3_next" else 1e-5
+    # DeepSeek-V3's later chunks attend over cached latents through another product order than the
+    # whole prompt's pass: fp32 rounding of 1.03e-5 on one prompt logprob of -2.93 (relative 3.5e-6)
+    # on this session's CPU, where the same code met 1e-5 on an earlier one
+    atol = {"qwen3_next": 1e-4, "deepseek_v3": 3e-5}.get(family, 1e-5)
     for reqs in _batches(vocab, slot):
         _same(chunked.generate(reqs), whole.generate(reqs), atol)
     steps = chunked.stats.steps

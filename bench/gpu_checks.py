@@ -5,7 +5,8 @@
 * a mixed-adapter packed batch vs each adapter alone (bf16, grouped path; and fp32, loop path)
 * the decode LoRA delta kernels (split-K Triton) vs two grouped products + add: agreement, and the
   GPU time of each (CUDA graphs of repeated calls, timed with CUDA events) against the bytes read
-* paged decode attention (flash-decoding kernel) vs the reference, with its time and bandwidth
+* paged decode attention (flash-decoding kernel) vs the reference, with its time and bandwidth;
+  with Inkling-2's relative bias and sinks vs the gathered PyTorch path
 * the sampling kernel (plain rows) vs the fp64 PyTorch draw, with its time
 * the LM head padded to aligned rows (Olmo 3's vocabulary) vs fp64, and its time padded and not
 * Qwen3.8-Flash-Next's hyper-connection kernels vs eager, and their time
@@ -104,6 +105,21 @@ def check_grouped() -> None:
         ref_w.append(gy[start : start + n].float().T @ x[start : start + n].float())
         start += n
     report("grouped_wgrad bf16", rel(gw, torch.stack(ref_w)), 1e-2)
+    # more groups than one call takes (512 experts x 3 adapter groups), some empty: several calls
+    from ember.core.kernels.grouped import MAX_GROUPS
+
+    G = 3 * 512
+    sizes = torch.randint(0, 3, (G,), generator=torch.Generator().manual_seed(1))
+    sizes[MAX_GROUPS - 1] = 0  # an empty group at the chunk border
+    offs = offsets_from_sizes(sizes, x.device)
+    M = int(sizes.sum())
+    xa, wa, gya = x[:M, :64].contiguous(), w[:1, :32, :64].expand(G, 32, 64).contiguous(), gy[:M, :32].contiguous()
+    wa = wa * torch.linspace(0.5, 1.5, G, device="cuda", dtype=torch.bfloat16)[:, None, None]
+    group = torch.repeat_interleave(torch.arange(G, device="cuda"), sizes.to("cuda"))
+    ref = torch.einsum("mi,moi->mo", xa.float(), wa[group].float())
+    report(f"grouped_linear bf16, {G} groups", rel(grouped_linear(xa, wa, offs), ref), 1e-2)
+    ref_w = torch.zeros(G, 32, 64, device="cuda").index_add_(0, group, gya.float()[:, :, None] * xa.float()[:, None])
+    report(f"grouped_wgrad bf16, {G} groups", rel(grouped_wgrad(gya, xa, offs), ref_w), 1e-2)
 
 
 MIXED_CFG = {
@@ -428,6 +444,44 @@ def check_paged_decode() -> None:
     check("ragged B=64 window=1000 one row", q[3:4], kp, vp, table[3:4], seq[3:4], window=1000, rows=1)
 
 
+def check_relative_decode() -> None:
+    """Inkling-2's decode attention through the paged kernel (relative bias by distance and sinks:
+    ``HAS_BIAS`` / ``HAS_SINK``), bf16, against the gathered PyTorch path of the same contract in
+    fp32, on a global layer (extent 512) and a sliding one (window 512); ragged lengths over
+    shuffled pages of 16, an empty row, several splits (64 rows x 8 KV heads)."""
+    from ember.core.layers.relative_attention import RelativeAttentionSpec
+    from ember.core.sampling.attention import gather_pages, paged_decode_triton, relative_decode
+
+    hq, hkv, d, page, b, scale = 48, 8, 128, 16, 64, 128**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens = torch.randint(1, 3000, (b,), generator=torch.Generator().manual_seed(2))
+    lens[:3] = torch.tensor([0, 1, 600])
+    npages = int((-(-lens // page)).sum()) + 1
+    kp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = (torch.randperm(npages - 1, device="cuda", generator=gen) + 1).int()
+    table = torch.zeros(b, 4096 // page, dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        table[i, : -(-n // page)] = perm[used : used + -(-n // page)]
+        used += -(-n // page)
+    seq = lens.to(torch.int32).cuda()
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    profiles = torch.randn(b, hq, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    sinks = torch.randn(b, hq, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    keys, k_pos = gather_pages(kp, table)
+    values, _ = gather_pages(vp, table)
+    live = seq > 0
+    for window in (None, 512):
+        spec = RelativeAttentionSpec(window=window, rel_extent=512)
+        got = paged_decode_triton(q, kp, vp, table, seq, scale, window or 0, profiles=profiles, sinks=sinks)
+        ref = relative_decode(q.float(), keys.float(), values.float(), k_pos, profiles.float(), sinks.float(),
+                              seq.long() - 1, spec, scale)
+        report(f"paged decode relative bias + sinks, window={window}", rel(got[live], ref[live]), 2e-2)
+        if got[~live].abs().max().item() != 0:
+            report("paged decode relative: the empty row is zero", 1.0, 0.0)
+
+
 HBM_TBPS = COPY_BANDWIDTH / 1e12  # measured copy bandwidth (shared/perf_targets.md); floor = bytes / this
 
 
@@ -660,6 +714,7 @@ CHECKS = {
     "head": lambda: check_aligned_head(),
     "hc": lambda: check_hyper_connections(),
     "paged_decode": lambda: check_paged_decode(),
+    "relative_decode": lambda: check_relative_decode(),
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),
     "mixed": lambda: check_mixed(),

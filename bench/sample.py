@@ -36,9 +36,9 @@ captures CUDA graphs), the median decode step at full batch against its memory-b
 "ttft cold" is from engine construction (model already in memory) to the first sampled token of a
 one-prompt request: KV allocation, Triton compilation and the first graph capture included.
 
---shape takes every shape of bench/common.py. The static CUDA-graph decoder is for Llama, Qwen3
-and Qwen3-MoE (routed experts at 64 rows touch nearly every expert, so the floor counts every
-weight); other families decode eagerly, and a family the sampler cannot run yet is reported as an error
+--shape takes every shape of bench/common.py. The static CUDA-graph decoder is for Llama, Qwen3,
+Qwen3-MoE, Qwen3-Next and Inkling-2 (routed experts at 64 rows touch nearly every expert, so the
+floor counts every weight); other families decode eagerly, and a family the sampler cannot run yet is reported as an error
 line for each workload (the other workloads still run).
 
     python bench/sample.py --out /tmp/bench            # on the GPU
@@ -404,7 +404,7 @@ def main() -> None:
         "--decode",
         choices=["auto", "eager", "static"],
         default="auto",
-        help="decode path (auto: static shapes + CUDA graphs on the GPU for Llama, Qwen3, Qwen3-MoE)",
+        help="decode path (auto: static shapes + CUDA graphs on the GPU for Llama, Qwen3, Qwen3-MoE, Qwen3-Next, Inkling-2)",
     )
     ap.add_argument(
         "--only", default="a,a-32slots,b,b-1,hf,gap",

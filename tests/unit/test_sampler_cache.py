@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,6 +181,36 @@ def test_recurrent_state_store():
     # 0-d values (one number per sequence)
     store.view([1, 7]).put(2, "n", torch.tensor([3, 4]))
     assert store.view([7, 1, 100]).get(2, "n").tolist() == [4, 3, 0]
+
+
+def test_static_state_view():
+    """A static-shape decode step's state: fixed device rows (padding rows on scratch row 0), one
+    gather and one scatter, the same values as the eager view; versions count reallocations."""
+    store = RecurrentStateStore()
+    store.view([1, 2, 3]).put(0, "conv", torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]))
+    store.view([1, 2, 3]).put(1, "h", torch.ones(3, 2, 1))
+    rows = np.full(5, -1, dtype=np.int64)
+    store.fill_rows([3, 1], rows)
+    assert rows[2:].tolist() == [0, 0, 0] and 0 not in rows[:2] and rows[0] != rows[1]
+    static = store.static_view(torch.from_numpy(rows))
+    torch.testing.assert_close(static.get(0, "conv")[:2], store.view([3, 1]).get(0, "conv"))
+    assert static.get(2, "absent") is None
+    static.put(0, "conv", torch.arange(10.0).reshape(5, 2))
+    torch.testing.assert_close(store.view([1, 2, 3]).get(0, "conv"), torch.tensor([[2.0, 3.0], [2.0, 2.0], [0.0, 1.0]]))
+    with pytest.raises(ValueError, match="static-shape"):
+        static.put(0, "conv", torch.zeros(5, 3))  # another shape
+    with pytest.raises(ValueError, match="static-shape"):
+        static.put(3, "new", torch.zeros(5, 3))  # a value no pass has written
+    store.view([4]).put(0, "conv", torch.zeros(1, 2))  # 4 has no "h"
+    with pytest.raises(ValueError, match="absent or shorter"):
+        store.fill_rows([1, 4], rows)
+    store.view([5]).put(1, "h", torch.ones(1, 3, 1))  # "h" grows: 1's value is shorter now
+    with pytest.raises(ValueError, match="absent or shorter"):
+        store.fill_rows([1], rows)
+    # more sequences than rows: the slabs are allocated again and the version says so
+    version = store.version
+    store.view(list(range(100, 140))).put(0, "conv", torch.zeros(40, 2))
+    assert store.version > version
 
 
 def test_page_reservation():

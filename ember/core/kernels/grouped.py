@@ -33,11 +33,30 @@ def offsets_from_sizes(sizes: torch.Tensor | list[int], device: torch.device) ->
     return torch.cumsum(sizes, 0).to(torch.int32)
 
 
+# groups of one torch._grouped_mm call: its CUDA kernels refuse more ("Can't process more than 1024
+# groups"), which (expert, adapter) pairs of a 512-expert model reach with two adapters
+MAX_GROUPS = 1024
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``y[rows of group g] = x[rows of group g] @ w[g].T`` for stacked weights ``w`` of shape
-    ``[G, out, in]``; ``offsets`` (int32, cumulative ends) must end at ``len(x)``."""
+    ``[G, out, in]``; ``offsets`` (int32, cumulative ends) must end at ``len(x)``.
+
+    More than :data:`MAX_GROUPS` groups run as several calls of at most that many. A call over
+    groups ``g0..g1`` reads its rows from the first row (its first group also takes the rows of
+    earlier groups) and is kept for the rows from ``offsets[g0 - 1]`` on, which later calls
+    overwrite past their own start: no group boundary is read back to the host, so a decode step
+    stays capturable."""
     if grouped_mm_supported(x, w) and x.shape[0] > 0:
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        if w.shape[0] <= MAX_GROUPS:
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        row = torch.arange(x.shape[0], device=x.device)[:, None]
+        y = None
+        for g0 in range(0, w.shape[0], MAX_GROUPS):
+            g1 = min(g0 + MAX_GROUPS, w.shape[0])
+            part = torch._grouped_mm(x, w[g0:g1].transpose(-2, -1), offs=offsets[g0:g1].contiguous())
+            y = part if y is None else torch.where(row >= offsets[g0 - 1], part, y)
+        return y
     ends = offsets.tolist()
     parts, start = [], 0
     for g, end in enumerate(ends):
@@ -61,9 +80,18 @@ def _wgrad_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``out[g] = a[rows of g].T @ b[rows of g]`` (``[G, M, N]`` for ``a`` ``[R, M]``, ``b`` ``[R, N]``):
-    the weight gradient of a grouped product. Empty groups give zeros."""
+    the weight gradient of a grouped product. Empty groups give zeros. More than
+    :data:`MAX_GROUPS` groups run as several calls, each over its own rows (their first row read
+    back: a backward pass, never captured)."""
     if a.shape[0] > 0 and _wgrad_supported(a, b):
-        return torch._grouped_mm(a.t(), b, offs=offsets)
+        if len(offsets) <= MAX_GROUPS:
+            return torch._grouped_mm(a.t(), b, offs=offsets)
+        parts = []
+        for g0 in range(0, len(offsets), MAX_GROUPS):
+            g1 = min(g0 + MAX_GROUPS, len(offsets))
+            start = int(offsets[g0 - 1]) if g0 else 0
+            parts.append(torch._grouped_mm(a[start:].t(), b[start:], offs=(offsets[g0:g1] - start).contiguous()))
+        return torch.cat(parts)
     ends = offsets.tolist()
     out = a.new_zeros(len(ends), a.shape[1], b.shape[1])
     start = 0

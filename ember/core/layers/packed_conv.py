@@ -24,6 +24,12 @@ def extend_with_history(
     """
     n = len(seq_lens)
     device = x.device
+    if history is not None and span and n == x.shape[0] and all(length == 1 for length in seq_lens):
+        # one token per sequence (a decode step): each sequence's rows are its history, then the
+        # token; built without host data, so the step can be captured in a CUDA graph
+        ext = torch.cat([history.to(x.dtype), x[:, None]], 1).reshape(n * (span + 1), *x.shape[1:])
+        token_index = torch.arange(n, device=device) * (span + 1) + span
+        return ext, token_index, token_index[:, None] - span + 1 + torch.arange(span, device=device)
     lens = torch.tensor(seq_lens, device=device)
     seq = torch.repeat_interleave(torch.arange(n, device=device), lens)
     token_index = torch.arange(x.shape[0], device=device) + (seq + 1) * span

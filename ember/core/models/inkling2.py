@@ -211,6 +211,7 @@ class Inkling2Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.is_global = dims.layer_types[layer] == GLOBAL
+        self.separate_inputs = self.is_global  # q, k and v read three mixtures (not one packed GEMM)
         g = self.is_global
         h = dims.hidden
         self.heads = dims.heads if g else dims.swa_heads

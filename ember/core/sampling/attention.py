@@ -14,10 +14,11 @@
 Sliding-window layers (``AttentionSpec("sliding", window)``) see the last ``window`` positions,
 the current token included.
 
-Families whose attention needs more than ``(q, k, v, spec, scale)`` decode eagerly through gathers
-of the pages (:func:`gather_pages`): a QSA block selection (``accepts_selection``; Qwen3.8-Flash-Next),
-the QSA indexer's raw keys kept in the pages (``store_index_keys`` / ``index_keys``), and
-Inkling-2's ``relative(...)`` (relative bias by distance and sinks, sliding or global).
+Inkling-2's ``relative(...)`` (relative bias by distance and sinks, sliding or global) runs the same
+kernel with the bias and the sink added (so it captures too); without Triton it gathers the pages
+(:func:`gather_pages`, only those of the window on sliding layers). A QSA block selection
+(``accepts_selection``; Qwen3.8-Flash-Next) and the QSA indexer's raw keys kept in the pages
+(``store_index_keys`` / ``index_keys``) decode eagerly through such gathers.
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ if fused.HAVE_TRITON:
         ML,
         BT,
         LENS,
+        P,
+        SINK,
         qk_scale,
         window,
+        rel_extent,
         stride_qb,
         stride_qh,
         stride_kp,
@@ -78,6 +82,9 @@ if fused.HAVE_TRITON:
         stride_ob,
         stride_oh,
         stride_bt,
+        stride_pb,
+        stride_ph,
+        stride_sb,
         REP: tl.constexpr,
         REP_PAD: tl.constexpr,
         D: tl.constexpr,
@@ -88,6 +95,8 @@ if fused.HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_SINK: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's visible
         tokens, BLOCK_N at a time (any number of pages: each token's page comes from the block
@@ -95,7 +104,11 @@ if fused.HAVE_TRITON:
 
         A sequence whose tokens fit one split (or NUM_SPLITS == 1) is finished here; otherwise each
         split leaves its unnormalised ``acc`` and its ``(m, l)`` in fp32 scratch for
-        :func:`_paged_decode_combine`."""
+        :func:`_paged_decode_combine`.
+
+        ``HAS_BIAS``: ``P[b, h, dist]`` (``[B, Hq, rel_extent]``) is added to the score of the key
+        ``dist = n - 1 - pos`` tokens back when ``dist < rel_extent`` (Inkling-2's relative bias).
+        ``HAS_SINK``: ``SINK[b, h]`` is one more logit in the softmax, with no value (a sink)."""
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
@@ -128,6 +141,12 @@ if fused.HAVE_TRITON:
             v_row = page * stride_vp + slot * stride_vs
             k = tl.load(k_base + k_row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [REP_PAD, BLOCK_N]
+            if HAS_BIAS:
+                dist = n - 1 - pos
+                near = valid & (dist < rel_extent)
+                p_ptr = P + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + dist[None, :]
+                bias = tl.load(p_ptr, mask=rmask[:, None] & near[None, :], other=0.0)
+                scores += bias.to(tl.float32) * 1.4426950408889634  # base 2, as qk_scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp2(m - m_new)
@@ -137,7 +156,12 @@ if fused.HAVE_TRITON:
             acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
-        out = acc / tl.maximum(lsum, 1e-30)[:, None]  # length 0: acc = 0 -> zeros
+        if HAS_SINK:  # the finished output's softmax has the sink's term too (partials: the combine)
+            sink = tl.load(SINK + b * stride_sb + heads, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_f = tl.maximum(m, sink)
+            out = acc * tl.exp2(m - m_f)[:, None] / (lsum * tl.exp2(m - m_f) + tl.exp2(sink - m_f))[:, None]
+        else:
+            out = acc / tl.maximum(lsum, 1e-30)[:, None]  # length 0: acc = 0 -> zeros
         if NUM_SPLITS == 1:
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=rmask[:, None] & dvmask[None, :])
         else:
@@ -156,17 +180,21 @@ if fused.HAVE_TRITON:
         ACC,
         ML,
         LENS,
+        SINK,
         window,
         stride_ob,
         stride_oh,
+        stride_sb,
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        HAS_SINK: tl.constexpr,
     ):
         """One program per (sequence, query head): merges the partial softmaxes of the sequence's
-        splits (sequences finished by a single split are left alone)."""
+        splits, and the sink's logit with ``HAS_SINK`` (sequences finished by a single split are
+        left alone)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(LENS + b)
@@ -178,8 +206,13 @@ if fused.HAVE_TRITON:
             ms = tl.load(ML + (row0 + s) * 2, mask=smask, other=-1e30)
             ls = tl.load(ML + (row0 + s) * 2 + 1, mask=smask, other=0.0)
             m_all = tl.max(ms, axis=0)
+            if HAS_SINK:
+                sink = tl.load(SINK + b * stride_sb + h).to(tl.float32) * 1.4426950408889634
+                m_all = tl.maximum(m_all, sink)
             w = tl.where(smask, tl.exp2(ms - m_all), 0.0)
             total = tl.sum(w * ls, axis=0)
+            if HAS_SINK:
+                total += tl.exp2(sink - m_all)
             dv = tl.arange(0, DV_PAD)
             dvmask = dv < DV
             acc = tl.zeros([DV_PAD], tl.float32)
@@ -234,9 +267,14 @@ def paged_decode_triton(
     scale: float,
     window: int = 0,
     num_splits: int | None = None,
+    profiles: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton decode attention: ``q`` ``[B, Hq, D]`` against each sequence's ``seq_lens[b]`` cached
     tokens (``block_table`` ``[B, W]`` int32) -> ``[B, Hq, Dv]``; rows with length 0 give zeros.
+    Optional (Inkling-2, :func:`relative_decode`'s contract): ``profiles`` ``[B, Hq, R]``, a bias
+    by distance back from the query (``R`` nearest keys), and ``sinks`` ``[B, Hq]``, a logit
+    without a value.
 
     Flash-decoding: the visible tokens of a sequence are dealt to up to ``num_splits`` programs
     per KV head (by default chosen from the shapes: batch, heads, block-table width) and a second
@@ -261,6 +299,12 @@ def paged_decode_triton(
     else:
         acc = ml = out  # not touched
     window = int(window or 1 << 30)
+    if profiles is not None and profiles.stride(-1) != 1:
+        profiles = profiles.contiguous()
+    if sinks is not None and sinks.stride(-1) != 1:
+        sinks = sinks.contiguous()
+    P = profiles if profiles is not None else out  # not read without the flags
+    S = sinks if sinks is not None else out
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
         k_pages,
@@ -270,8 +314,11 @@ def paged_decode_triton(
         ml,
         block_table,
         seq_lens,
+        P,
+        S,
         float(scale) * _LOG2E,
         window,
+        P.shape[-1] if profiles is not None else 0,
         q.stride(0),
         q.stride(1),
         k_pages.stride(0),
@@ -283,6 +330,9 @@ def paged_decode_triton(
         out.stride(0),
         out.stride(1),
         block_table.stride(0),
+        P.stride(0),
+        P.stride(1),
+        S.stride(0),
         REP=rep,
         REP_PAD=max(16, _pow2(rep)),
         D=D,
@@ -293,6 +343,8 @@ def paged_decode_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if k_pages.dtype == torch.float32 else "tf32",
+        HAS_BIAS=profiles is not None,
+        HAS_SINK=sinks is not None,
         **_DECODE_LAUNCH,
     )
     if num_splits > 1:
@@ -301,14 +353,17 @@ def paged_decode_triton(
             acc,
             ml,
             seq_lens,
+            S,
             window,
             out.stride(0),
             out.stride(1),
+            S.stride(0),
             DV=Dv,
             DV_PAD=dv_pad,
             BLOCK_N=block_n,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=_pow2(num_splits),
+            HAS_SINK=sinks is not None,
             num_warps=4,
         )
     return out
@@ -355,18 +410,26 @@ def paged_decode_attention(
     window: int = 0,
 ) -> torch.Tensor:
     """Decode attention over the paged cache: the Triton kernel where it runs, else the reference."""
-    if _TRITON_DECODE["ok"] and fused.use_triton(q, k_pages):
-        try:
-            return paged_decode_triton(q, k_pages, v_pages, block_table, seq_lens, scale, window)
-        except Exception as e:  # e.g. a GPU/Triton combination the kernel was never compiled for
-            if fused.INTERPRET:
-                raise
-            _TRITON_DECODE["ok"] = False
-            warnings.warn(f"paged decode kernel failed ({type(e).__name__}: {e}); using the PyTorch path", stacklevel=2)
-    return paged_decode_torch(q, k_pages, v_pages, block_table, seq_lens, scale, window)
+    out = _decode_triton_or_none(q, k_pages, v_pages, block_table, seq_lens, scale, window)
+    return out if out is not None else paged_decode_torch(q, k_pages, v_pages, block_table, seq_lens, scale, window)
 
 
 _TRITON_DECODE = {"ok": True}
+
+
+def _decode_triton_or_none(q: torch.Tensor, k_pages: torch.Tensor, *args, **kwargs) -> torch.Tensor | None:
+    """:func:`paged_decode_triton` where it runs; ``None`` where it does not (or once it failed:
+    the caller then takes its PyTorch path)."""
+    if not (_TRITON_DECODE["ok"] and fused.use_triton(q, k_pages)):
+        return None
+    try:
+        return paged_decode_triton(q, k_pages, *args, **kwargs)
+    except Exception as e:  # e.g. a GPU/Triton combination the kernel was never compiled for
+        if fused.INTERPRET:
+            raise
+        _TRITON_DECODE["ok"] = False
+        warnings.warn(f"paged decode kernel failed ({type(e).__name__}: {e}); using the PyTorch path", stacklevel=2)
+        return None
 
 
 def _window(spec: AttentionSpec) -> int:
@@ -594,12 +657,12 @@ class DecodeAttention:
     values, then attend over each sequence's cached tokens (``seq_lens`` includes the new one).
 
     All inputs are tensors, so the same object serves a captured CUDA graph whose buffers are
-    refilled between replays (plain attention only). The variants below gather the sequences' pages
-    and compute in PyTorch (families that need them decode eagerly):
+    refilled between replays (plain attention, and Inkling-2's ``relative(...)`` through the Triton
+    kernel: relative bias by distance and the sink, over the last ``window`` positions on sliding
+    layers; without Triton only the pages that hold them are gathered). The variants below gather
+    the sequences' pages and compute in PyTorch (families that need them decode eagerly):
 
     * a QSA block ``selection`` (``accepts_selection``): the selected blocks plus the query's tail;
-    * ``relative(...)`` (Inkling-2): relative bias by distance and the sink, over the last
-      ``window`` positions on sliding layers (only the pages that hold them are gathered);
     * ``store_index_keys`` / ``index_keys``: the QSA indexer's raw keys, kept in the cache's pages.
     """
 
@@ -630,6 +693,12 @@ class DecodeAttention:
 
     def relative(self, layer: int, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
+        out = _decode_triton_or_none(
+            q, self.cache.k[layer], self.cache.v[layer], self.block_table, self.seq_lens, scale, spec.window or 0,
+            profiles=profiles, sinks=sinks,
+        )
+        if out is not None:
+            return out
         q_pos = self.seq_lens.long() - 1
         first = count = None
         if spec.window is not None:

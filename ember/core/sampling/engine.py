@@ -152,7 +152,7 @@ class EngineStats:
     first_token_time: float | None = None  # perf_counter() when the first token was sampled
 
 
-STATIC_FAMILIES = {"llama", "qwen3", "qwen3_moe"}
+STATIC_FAMILIES = {"llama", "qwen3", "qwen3_moe", "inkling2", "inkling2_text", "qwen3_next"}
 # families whose prompts may continue a cached prefix: only attention layers (plain or sliding)
 # carry context. Hybrid families (qwen3_next, qwen4_exp: linear attention; inkling2: short
 # convolutions and relative attention) keep per-sequence recurrent state that the pages do not
@@ -212,7 +212,9 @@ class SamplingEngine:
         self.static = None
         if static:
             buckets = config.buckets or default_buckets(config.max_seqs)
-            self.static = StaticDecoder(model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs)
+            self.static = StaticDecoder(
+                model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states
+            )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None
         if config.prefix_sharing and model.config.model_type in PREFIX_FAMILIES:

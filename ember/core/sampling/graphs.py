@@ -48,7 +48,7 @@ from ember.core.logprobs import chunk_logits
 from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
-from ember.core.sampling.kv_cache import PagedKVCache
+from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
 
 RANK_MULTIPLE = 16
@@ -69,9 +69,13 @@ SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def shared_input_groups(model: CausalLM) -> list[list[LoraLinear]]:
-    """The :data:`SHARED_INPUT` groups of ``model``'s LoRA linears (members with one input width)."""
+    """The :data:`SHARED_INPUT` groups of ``model``'s LoRA linears (members with one input width;
+    not in a module whose ``separate_inputs`` is true, as Inkling-2's global attention, whose q, k
+    and v read three mixtures)."""
     groups = []
     for mod in model.modules():
+        if getattr(mod, "separate_inputs", False):
+            continue
         for names in SHARED_INPUT:
             members = [getattr(mod, n, None) for n in names]
             if all(isinstance(m, LoraLinear) for m in members) and len({m.in_features for m in members}) == 1:
@@ -423,12 +427,13 @@ class StaticRoute:
 class _Buffers:
     """A bucket's static inputs: views of two packed device tensors (one copy each per step)."""
 
-    longs: torch.Tensor  # int64 [3, bucket]: input_ids, positions, slot_mapping
+    longs: torch.Tensor  # int64 [4, bucket]: input_ids, positions, slot_mapping, state rows
     small: torch.Tensor  # int32 [bucket + groups + 1]: seq_lens, offsets, n_rows
     floats: torch.Tensor  # fp64 [2, bucket]: inverse temperature (0: greedy), uniform number
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
+    state_rows: torch.Tensor  # each row's row of the recurrent state store (padding: its scratch row)
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     offsets: torch.Tensor
@@ -446,9 +451,11 @@ class StaticDecoder:
         max_positions: int,
         buckets: tuple[int, ...],
         use_graphs: bool,
+        states: RecurrentStateStore | None = None,
     ):
         self.model = model
         self.cache = cache
+        self.states = states if states is not None else RecurrentStateStore()
         self.max_positions = max_positions
         self.buckets = tuple(sorted(buckets))
         self.width = math.ceil(max_positions / cache.page_size)
@@ -459,7 +466,7 @@ class StaticDecoder:
         self.rope_tables: dict = {}
         self._buffers: dict[int, _Buffers] = {}
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._graph_version = (self.stacks.version, rollout_precision.version(model))
+        self._graph_version = self._version()
         self._pool = None
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
@@ -467,6 +474,11 @@ class StaticDecoder:
     def sync(self, slots: Iterable[int]) -> None:
         """Refresh the adapter stacks of ``slots`` (call when their requests are admitted)."""
         self.stacks.sync(slots)
+
+    def _version(self) -> tuple[int, int, int]:
+        """Changes when a tensor the captured graphs read is replaced: the adapter stacks, the
+        rollout copies of the weights, the recurrent state's slabs."""
+        return self.stacks.version, rollout_precision.version(self.model), self.states.version
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -477,7 +489,7 @@ class StaticDecoder:
     def _buffers_for(self, bucket: int) -> _Buffers:
         if bucket not in self._buffers:
             d = self.cache.device
-            longs = torch.zeros(3, bucket, dtype=torch.long, device=d)
+            longs = torch.zeros(4, bucket, dtype=torch.long, device=d)
             small = torch.zeros(bucket + self.stacks.groups + 1, dtype=torch.int32, device=d)
             floats = torch.zeros(2, bucket, dtype=torch.float64, device=d)
             floats[1] = 0.5
@@ -488,6 +500,7 @@ class StaticDecoder:
                 input_ids=longs[0],
                 positions=longs[1],
                 slot_mapping=longs[2],
+                state_rows=longs[3],
                 block_table=torch.zeros(bucket, self.width, dtype=torch.int32, device=d),
                 seq_lens=small[:bucket],
                 offsets=small[bucket:-1],
@@ -510,12 +523,13 @@ class StaticDecoder:
         if self._staged is not None:  # the staging buffers are reused: the last copies must be done
             self._staged.synchronize()
         n = len(batch)
-        longs = self._host("longs", 3 * bucket, torch.long).view(3, bucket)
+        longs = self._host("longs", 4 * bucket, torch.long).view(4, bucket)
         ln = longs.numpy()
-        ln[:, n:] = 0  # padding rows: token 0 at position 0, keys to the scratch page
+        ln[:, n:] = 0  # padding rows: token 0 at position 0, keys to the scratch page, state row 0
         ln[0, :n] = batch.input_ids
         ln[1, :n] = batch.positions
         ln[2, :n] = batch.slot_mapping
+        self.states.fill_rows(batch.seq_ids, ln[3])
         groups = self.stacks.groups
         small = self._host("small", bucket + groups + 1, torch.int32)
         sm = small.numpy()
@@ -555,6 +569,7 @@ class StaticDecoder:
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens),
             lora=route,
             seq_lens=[1] * buf.positions.shape[0],
+            state=self.states.static_view(buf.state_rows),
             rope_tables=self.rope_tables,
             max_positions=self.max_positions,
         )
@@ -589,8 +604,8 @@ class StaticDecoder:
         if not self.use_graphs:
             logits, chosen = self._forward(buf, use_lora, head)
             return logits[:n], None, chosen[:, :n]
-        version = (self.stacks.version, rollout_precision.version(self.model))
-        if version != self._graph_version:  # new stacks, or rollout copies quantised again
+        version = self._version()
+        if version != self._graph_version:  # new stacks, rollout copies quantised again, new state slabs
             self._graphs.clear()
             self._graph_version = version
         key = (bucket, use_lora, head)

@@ -274,19 +274,21 @@ class _Slab:
         self.data = like.new_zeros(capacity, *like.shape)
         self.lengths = np.full(capacity, -1, dtype=np.int64)
 
-    def fit(self, capacity: int, first: int = 0) -> None:
+    def fit(self, capacity: int, first: int = 0) -> bool:
         """Grow to at least ``capacity`` rows and, for values with axes, a first value axis of at
-        least ``first`` (new entries are zeros)."""
+        least ``first`` (new entries are zeros). Whether the tensor was allocated again."""
         old = self.data
         shape = list(old.shape)
         shape[0] = max(shape[0], capacity)
         if old.dim() > 1:
             shape[1] = max(shape[1], first)
-        if tuple(shape) != tuple(old.shape):
+        grown = tuple(shape) != tuple(old.shape)
+        if grown:
             self.data = old.new_zeros(shape)
             self.data[tuple(slice(0, n) for n in old.shape)] = old
         if len(self.lengths) < shape[0]:
             self.lengths = np.concatenate([self.lengths, np.full(shape[0] - len(self.lengths), -1, dtype=np.int64)])
+        return grown
 
 
 class RecurrentStateStore:
@@ -297,14 +299,43 @@ class RecurrentStateStore:
     Each sequence owns a row of every value's slab (:class:`_Slab`), so a pass reads a value with
     one gather and writes it with one scatter, whatever its number of sequences (a pass used to
     stack and split per-sequence tensors). Slabs grow by a quarter (16 rows at least) when rows run
-    out; the rows of freed sequences are reused."""
+    out; the rows of freed sequences are reused. Row 0 is scratch, never a sequence's: the padding
+    rows of a static-shape decode step (:class:`StaticPassState`) write there. :attr:`version`
+    counts the slab tensors allocated, so a captured CUDA graph knows when the tensors it reads
+    were replaced."""
 
     def __init__(self):
         self._rows: dict[int, int] = {}  # sequence -> its row
         self._free: list[int] = []
-        self._capacity = 0
+        self._capacity = 1  # row 0: scratch
         self._slabs: dict[tuple[int, str], _Slab] = {}
         self._held: set[int] = set()  # sequences with at least one value
+        self.version = 0
+
+    def _fit(self, slab: _Slab, first: int = 0) -> None:
+        if slab.fit(self._capacity, first):
+            self.version += 1
+
+    def static_view(self, rows: torch.Tensor) -> StaticPassState:
+        """The state of a static-shape decode step whose rows read and write the store rows
+        ``rows`` (a fixed device tensor, refilled by :meth:`fill_rows` before each step)."""
+        return StaticPassState(self, rows)
+
+    def fill_rows(self, seq_ids: Sequence[int], out: np.ndarray) -> None:
+        """Write the store rows of ``seq_ids`` into ``out`` (the rest: scratch row 0) and fit every
+        slab to them. Raises ``ValueError`` when a sequence's value is shorter than its slab or
+        absent (a value that still grows, or one no pass has written: those decode eagerly)."""
+        out[:] = 0
+        if not self._slabs:  # a model without recurrent layers
+            return
+        rows = np.array([self._row(s) for s in seq_ids], dtype=np.int64)
+        out[: len(rows)] = rows
+        for (layer, name), slab in self._slabs.items():
+            self._fit(slab)
+            full = slab.data.shape[1] if slab.data.dim() > 1 else 0
+            if len(rows) and (slab.lengths[rows] != full).any():
+                raise ValueError(f"state {name!r} of layer {layer} is absent or shorter than its slab for some "
+                                 "sequence of the step: a static-shape step cannot read it")
 
     def view(self, seq_ids: list[int]) -> PassState:
         """The state of the sequences of one pass, in packed order."""
@@ -326,7 +357,7 @@ class RecurrentStateStore:
             return
         a, b = self._rows[src], self._row(dst)
         for slab in self._slabs.values():
-            slab.fit(self._capacity)
+            self._fit(slab)
             if slab.lengths[a] >= 0:
                 slab.data[b] = slab.data[a]
             slab.lengths[b] = slab.lengths[a]
@@ -375,7 +406,7 @@ class PassState:
         if slab is None:
             return None
         rows = self.rows  # first: a new sequence's row may grow the capacity
-        slab.fit(self.store._capacity)
+        self.store._fit(slab)
         lengths = slab.lengths[rows]
         longest = int(lengths.max()) if len(lengths) else -1
         if longest < 0:
@@ -399,13 +430,39 @@ class PassState:
         slab = store._slabs.get(key)
         if slab is None:
             slab = store._slabs[key] = _Slab(value[0], store._capacity)
+            store.version += 1
         elif slab.data.shape[2:] != value.shape[2:] or slab.data.dim() != value.dim() or slab.data.dtype != value.dtype:
             raise ValueError(f"state {name!r} of layer {layer}: {tuple(value.shape[1:])} {value.dtype} after "
                              f"{tuple(slab.data.shape[1:])} {slab.data.dtype}")
         length = int(value.shape[1]) if value.dim() > 1 else 0
-        slab.fit(store._capacity, length)
+        store._fit(slab, length)
         if value.dim() > 1 and length < slab.data.shape[1]:  # zeros beyond this value's length
             value = torch.cat([value, value.new_zeros(value.shape[0], slab.data.shape[1] - length, *value.shape[2:])], 1)
         slab.data.index_copy_(0, self._device_rows(value.device), value)
         slab.lengths[rows] = length
         store._held.update(self.seq_ids)
+
+
+class StaticPassState:
+    """:class:`SequenceState` of a static-shape decode step (CUDA graphs): each value is read with
+    one ``index_select`` and written with one ``index_copy_`` through the fixed device index
+    ``rows`` (one store row per batch row; padding rows use scratch row 0), with no host work, so
+    the step can be captured. Only values whose shape no longer changes are supported (convolution
+    windows, delta-rule states: :meth:`RecurrentStateStore.fill_rows` checks)."""
+
+    def __init__(self, store: RecurrentStateStore, rows: torch.Tensor):
+        self.store = store
+        self.rows = rows
+
+    def get(self, layer: int, name: str) -> torch.Tensor | None:
+        slab = self.store._slabs.get((layer, name))
+        return None if slab is None else slab.data.index_select(0, self.rows)
+
+    def put(self, layer: int, name: str, value: torch.Tensor) -> None:
+        slab = self.store._slabs.get((layer, name))
+        if slab is None or slab.data.shape[1:] != value.shape[1:] or slab.data.dtype != value.dtype:
+            raise ValueError(
+                f"state {name!r} of layer {layer}: a static-shape step writes {tuple(value.shape[1:])} {value.dtype} "
+                f"where the store holds {None if slab is None else (tuple(slab.data.shape[1:]), slab.data.dtype)}"
+            )
+        slab.data.index_copy_(0, self.rows, value)

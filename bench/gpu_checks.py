@@ -108,7 +108,7 @@ def check_grouped() -> None:
     # more groups than one call takes (512 experts x 3 adapter groups), some empty: several calls
     from ember.core.kernels.grouped import MAX_GROUPS
 
-    G = 3 * 512
+    G = 3 * 512  # three calls of MAX_GROUPS
     sizes = torch.randint(0, 3, (G,), generator=torch.Generator().manual_seed(1))
     sizes[MAX_GROUPS - 1] = 0  # an empty group at the chunk border
     offs = offsets_from_sizes(sizes, x.device)

@@ -33,9 +33,11 @@ def offsets_from_sizes(sizes: torch.Tensor | list[int], device: torch.device) ->
     return torch.cumsum(sizes, 0).to(torch.int32)
 
 
-# groups of one torch._grouped_mm call: its CUDA kernels refuse more ("Can't process more than 1024
-# groups"), which (expert, adapter) pairs of a 512-expert model reach with two adapters
-MAX_GROUPS = 1024
+# groups of one torch._grouped_mm call. Its CUDA kernels refuse "more than 1024 groups", and on the
+# H200 (torch 2.11) also refused some calls of exactly 1024 (a weight gradient; a 512-expert model's
+# decode step with two expert groups), so calls stay at 512, as many as a 512-expert model's
+# experts: (expert, adapter) pairs pass that with two adapters
+MAX_GROUPS = 512
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,16 @@ they capture too); their LoRA factors are stacked per expert group (one per slot
 after a zero group for rows without one), so a bank of many slots costs an expert stack entry only
 for the adapters that sample.
 
+Recurrent state (short-convolution windows, Gated DeltaNet's delta-rule state) is read and written
+through fixed rows of the engine's :class:`~ember.core.sampling.kv_cache.RecurrentStateStore`
+(:class:`~ember.core.sampling.kv_cache.StaticPassState`: one gather and one scatter per value, the
+rows a static buffer, padding rows on the store's scratch row), and Inkling-2's relative attention
+runs the paged decode kernel with its bias and sinks, so those families capture too.
+
 Everything but the capture itself runs eagerly on the CPU too, which is how the tests check it
-against :class:`~ember.core.sampling.decode.EagerDecoder`. Used for families without recurrent
-state (the engine decides; no MoE routing record); under tensor parallelism the split
+against :class:`~ember.core.sampling.decode.EagerDecoder`. The engine decides which families use
+it (``STATIC_FAMILIES``; no MoE routing record; not Qwen3.8-Flash-Next, whose n-gram memory reads a
+host table and whose QSA indexer selects per sequence on the host); under tensor parallelism the split
 projections' collectives run in the step (their modules' ``shard``) and the LM head's vocabulary
 parts are gathered before the draw. The stacks are synced from the adapter bank
 whenever a request is admitted, so sampling reads the weights the trainer last wrote.

@@ -575,6 +575,9 @@ SHAPES: dict[str, dict] = {
     "deepseek-v3-4l": DEEPSEEK_V3_4L,
     "qwen3-next-80b-a3b-8l": QWEN3_NEXT_80B_A3B_8L,
     "qwen3.8-flash-next-8l": QWEN3_8_FLASH_NEXT_8L,
+    # sampling with the n-gram memory (PLE) at layer 2 as released, its table cut to 16 M rows (2.6 B
+    # parameters, 5.1 GB in host memory; the released one has 320 M rows): no training bench uses it
+    "qwen3.8-flash-next-8l-ple": {**QWEN3_8_FLASH_NEXT_8L, "ple_layer_ids": [2], "ngram_vocab_size_base": 1_000_000},
     "inkling2-small-3l": INKLING2_SMALL_3L,
     "tiny": TINY,
     "tiny-moe": TINY_MOE,

@@ -482,6 +482,48 @@ def check_relative_decode() -> None:
             report("paged decode relative: the empty row is zero", 1.0, 0.0)
 
 
+def check_selected_decode() -> None:
+    """Qwen3.8-Flash-Next's decode attention under a QSA block selection through the paged kernel
+    (``HAS_SELECT``: unchosen blocks masked), bf16, against the gathered fp32 PyTorch path
+    (``masked_decode`` over ``BlockSelection.token_mask``); ragged lengths over shuffled pages of 16,
+    an empty row, 128-token blocks, 8 of them chosen (64 rows x 2 KV heads, several splits)."""
+    from ember.core.layers.qsa import BlockSelection
+    from ember.core.sampling.attention import gather_pages, masked_decode, paged_decode_triton
+
+    hq, hkv, d, page, b, r, k, scale = 16, 2, 256, 16, 64, 128, 8, 256**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    lens = torch.randint(1, 4000, (b,), generator=torch.Generator().manual_seed(5))
+    lens[:3] = torch.tensor([0, 1, 1500])
+    npages = int((-(-lens // page)).sum()) + 1
+    kp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = (torch.randperm(npages - 1, device="cuda", generator=gen) + 1).int()
+    table = torch.zeros(b, 4096 // page, dtype=torch.int32, device="cuda")
+    used = 0
+    blocks = torch.full((b, k), -1, dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        table[i, : -(-n // page)] = perm[used : used + -(-n // page)]
+        used += -(-n // page)
+        visible = n // r
+        pick = torch.randperm(visible)[:k] if visible > k else torch.arange(visible)
+        blocks[i, : len(pick)] = pick
+    seq = lens.to(torch.int32).cuda()
+    blocks = blocks.cuda()
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    columns = 4096 // r
+    chosen = torch.zeros(b, columns + 1, dtype=torch.int8, device="cuda")
+    chosen.scatter_(1, torch.where(blocks >= 0, blocks, columns), 1)
+    got = paged_decode_triton(q, kp, vp, table, seq, scale, selected=chosen, select_block=r)
+    keys, _ = gather_pages(kp, table)
+    values, _ = gather_pages(vp, table)
+    valid = BlockSelection(blocks, r, seq.long() - 1).token_mask(slice(None), keys.shape[1])
+    ref = masked_decode(q.float(), keys.float(), values.float(), valid, scale)
+    live = seq > 0
+    report("paged decode QSA block selection", rel(got[live], ref[live]), 2e-2)
+    if got[~live].abs().max().item() != 0:
+        report("paged decode selection: the empty row is zero", 1.0, 0.0)
+
+
 HBM_TBPS = COPY_BANDWIDTH / 1e12  # measured copy bandwidth (shared/perf_targets.md); floor = bytes / this
 
 
@@ -715,6 +757,7 @@ CHECKS = {
     "hc": lambda: check_hyper_connections(),
     "paged_decode": lambda: check_paged_decode(),
     "relative_decode": lambda: check_relative_decode(),
+    "selected_decode": lambda: check_selected_decode(),
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),
     "mixed": lambda: check_mixed(),

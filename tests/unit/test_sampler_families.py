@@ -25,6 +25,7 @@ import torch
 
 from ember.core.adapters import LoraConfig
 from ember.core.batch import pack
+from ember.core.layers.qsa import BlockSelection, QSAIndexer
 from ember.core.models.base import RoutingRecord
 from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine
 from ember.core.sampling import attention as sampling_attention
@@ -270,7 +271,86 @@ def check_relative_decode(page: int, extra_columns: int = 1) -> None:
             cache.release(t)
 
 
-@pytest.mark.parametrize("name", ["inkling2", "qwen3_next"])
+def check_selected_decode(page: int, extra_columns: int = 1) -> None:
+    """``DecodeAttention`` with a QSA block selection against a per-row reference: each query sees
+    its chosen ``r``-token blocks and the tokens after its last complete block, nothing after itself."""
+    from ember.core.config import AttentionSpec
+    from ember.core.sampling.decode import block_table_tensor
+    from ember.core.sampling.kv_cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(page)
+    lengths, hq, hkv, d, r, K = [1, 3, 4, 9, 17, 33, 130, 300], 4, 2, 8, 4, 3
+    cache = PagedKVCache(sum(-(-n // page) for n in lengths) + 1, page, torch.float32, "cpu")
+    ks = [torch.randn(n, hkv, d, generator=g) for n in lengths]
+    vs = [torch.randn(n, hkv, d, generator=g) for n in lengths]
+    tables = []
+    for k, v in zip(ks, vs):
+        pages = [cache.allocate() for _ in range(-(-len(k) // page))]
+        cache.write(0, k[:-1], v[:-1], torch.tensor(cache.slots(pages, 0, len(k) - 1), dtype=torch.long))
+        tables.append(pages)
+    blocks = torch.full((len(lengths), K), -1, dtype=torch.long)
+    for i, n in enumerate(lengths):  # K distinct complete blocks, or every one of them (-1 after)
+        visible = n // r
+        chosen = torch.randperm(visible, generator=g)[:K] if visible > K else torch.arange(visible)
+        blocks[i, : len(chosen)] = chosen
+    positions = torch.tensor(lengths) - 1
+    selection = BlockSelection(blocks, r, positions)
+    q = torch.randn(len(lengths), hq, d, generator=g)
+    slots = torch.tensor([cache.slots(t, n - 1, 1)[0] for t, n in zip(tables, lengths)])
+    attend = sampling_attention.DecodeAttention(
+        cache, slots, block_table_tensor(tables, max(map(len, tables)) + extra_columns, "cpu"),
+        torch.tensor(lengths, dtype=torch.int32),
+    )
+    got = attend(0, q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), AttentionSpec("global"),
+                 0.4, selection=selection)
+    for i, n in enumerate(lengths):
+        j = torch.arange(n)
+        seen = torch.isin(j // r, blocks[i][blocks[i] >= 0]) | (j >= n // r * r)
+        rep = hq // hkv
+        kk = ks[i][seen].repeat_interleave(rep, dim=1).transpose(0, 1)
+        vv = vs[i][seen].repeat_interleave(rep, dim=1).transpose(0, 1)
+        ref = torch.softmax(q[i][:, None] @ kk.transpose(1, 2) * 0.4, dim=-1) @ vv
+        torch.testing.assert_close(got[i], ref[:, 0], atol=1e-5, rtol=0)
+    for t in tables:
+        cache.release(t)
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_selected_decode_over_pages_equals_reference(page):
+    check_selected_decode(page)
+
+
+def test_selected_decode_triton_kernel_equals_reference():
+    """The same through the paged decode kernel's selection mask (what CUDA graphs capture), under
+    Triton's interpreter: one split and several, a block table wider than the sequences."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent(
+        """
+        from tests.triton_interp import patch_interpreter
+        patch_interpreter()
+        from ember.core.sampling import attention
+        from tests.unit.test_sampler_families import check_selected_decode
+
+        def no_gather(*a, **kw):
+            raise AssertionError("the gather path ran, not the kernel")
+
+        attention.masked_decode = no_gather
+        kernel = attention.paged_decode_triton
+        for page in (1, 4, 16):
+            check_selected_decode(page, extra_columns=30)
+        for splits in (1, 3):
+            attention.paged_decode_triton = lambda *a, **kw: kernel(*a, **{**kw, "num_splits": splits})
+            check_selected_decode(4, extra_columns=30)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["inkling2", "qwen3_next", "qwen4_exp"])
 def test_static_decode_equals_eager(name, tmp_path):
     """The static-shape decode step (what CUDA graphs capture: the recurrent states read and written
     through fixed rows of the state store, Inkling-2's relative attention through the paged
@@ -291,6 +371,9 @@ def test_static_decode_equals_eager(name, tmp_path):
         reqs = [dataclasses.replace(r, record_routing=False) for r in _requests(_prompts(vocab), slot)]
         engine = worker.sampler
         assert (engine.static is not None) == static
+        for m in worker.model.modules():  # ties toward the lower block, as the static step's selection
+            if isinstance(m, QSAIndexer):
+                m.stable_ties = True
         if static:  # every decode step goes through it
             engine.eager.run = lambda batch: pytest.fail(f"an eager decode step of {len(batch)} rows")
         results.append(_run(engine, reqs))

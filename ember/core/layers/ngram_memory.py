@@ -20,7 +20,9 @@ in bf16): :class:`NGramEmbedding` names it in ``host_parameters``, so
 :func:`ember.core.loading.load_model` materialises it on the CPU (pinned when the model is on a GPU)
 whatever the model's device. A lookup computes the row ids on the device, copies them to the host,
 gathers the rows there into a pinned buffer and copies that to the device without blocking the host
-(:func:`host_rows`; on a CPU run the same code makes no copies). Under expert parallelism each rank
+(:func:`host_rows`; on a CPU run the same code makes no copies). The static decoder computes the
+ids on the host from the sequences' last tokens (:meth:`NGramEmbedding.window_ids`) and fetches the
+rows before its step (``ctx.prefetched``), so the step itself never waits for the host. Under expert parallelism each rank
 holds a block of the rows and ``lookup`` fetches the others' (set from outside the model by
 :mod:`ember.dist.host_table`).
 """
@@ -112,6 +114,21 @@ class NGramEmbedding(nn.Module):
 
     def ids(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Table rows ``[T, heads]`` of every token's n-grams."""
+        return self._hash(*self._context(input_ids, ctx))
+
+    def window_ids(self, windows: torch.Tensor) -> torch.Tensor:
+        """Table rows ``[B, heads]`` of the last token of each window ``[B, ngram_size]`` of token ids
+        (oldest first; EOS where a window reaches before its sequence's start): the rows
+        :meth:`ids` gives that token, computed where ``windows`` lives (the host, before a pass)."""
+        B, n = windows.shape
+        if n != self.ngram_size:
+            raise ValueError(f"windows of {n} tokens, the n-gram size is {self.ngram_size}")
+        index = torch.arange(B, device=windows.device) * n + n - 1
+        return self._hash(windows.reshape(-1).long(), index)
+
+    def _context(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token with the ``n - 1`` before it in its sequence: the extended ids and each token's
+        index in them (:func:`extend_with_history`); the sequences' new contexts go to ``ctx.state``."""
         context = self.ngram_size - 1
         seq_lens = ctx.seq_lens or [input_ids.shape[0]]
         # the state keeps ids + 1, so that a zero state (a sequence that starts) reads as EOS
@@ -121,12 +138,15 @@ class NGramEmbedding(nn.Module):
         ext, index, last = extend_with_history(input_ids.long(), seq_lens, history, context, fill=self.eos)
         if ctx.state is not None:
             ctx.state.put(self.layer, "ngram_context", ext[last] + 1)
-        if input_ids.device not in self._consts:
-            self._consts[input_ids.device] = tuple(
-                torch.tensor(v, dtype=torch.long, device=input_ids.device)
-                for v in (self.multipliers, self.primes, self.offsets)
+        return ext, index
+
+    def _hash(self, ext: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The table rows ``[len(index), heads]`` of the tokens ``ext[index]`` given the ids before them."""
+        if ext.device not in self._consts:
+            self._consts[ext.device] = tuple(
+                torch.tensor(v, dtype=torch.long, device=ext.device) for v in (self.multipliers, self.primes, self.offsets)
             )
-        mult, primes, offsets = self._consts[input_ids.device]
+        mult, primes, offsets = self._consts[ext.device]
         # shift_s: the token s places back, or EOS if the context crosses an EOS (one at t itself does not count)
         shifted, valid = [ext[index]], torch.ones_like(index, dtype=torch.bool)
         for s in range(1, self.ngram_size):
@@ -140,14 +160,25 @@ class NGramEmbedding(nn.Module):
             blocks.append(torch.remainder(mixed[:, None], primes[h]) + offsets[h])
         return torch.cat(blocks, dim=-1)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        ids = self.ids(input_ids, ctx)
+    def rows(self, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
+        """The table's rows ``ids`` ``[N, heads]`` (on the host), concatenated per token:
+        ``[N, heads · dim]`` in host memory (pinned if ``pin``)."""
         table = self.ngram_embedding.weight
-        device = input_ids.device
-        # ids device -> host (a sync on a GPU); rows gathered on the host; host -> device, not blocking
-        host_ids = ids.reshape(-1).to(table.device)
-        rows = (self.lookup or host_rows)(table, host_ids, device.type == "cuda" and table.device.type == "cpu")
-        return rows.to(device, non_blocking=True).view(ids.shape[0], ids.shape[1] * table.shape[1])
+        rows = (self.lookup or host_rows)(table, ids.reshape(-1).to(table.device), pin)
+        return rows.view(ids.shape[0], ids.shape[1] * table.shape[1])
+
+    def fetch(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """:meth:`rows` of ``ids`` (on any device) on ``device``: the ids go to the host (a sync when
+        they are on a GPU) and the rows come back without blocking the host."""
+        pin = device.type == "cuda" and self.ngram_embedding.weight.device.type == "cpu"
+        return self.rows(ids.to(self.ngram_embedding.weight.device), pin).to(device, non_blocking=True)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        rows = ctx.prefetched.get(self.layer) if ctx.prefetched is not None else None
+        if rows is not None:  # fetched before the pass (the static decoder): only the context advances
+            self._context(input_ids, ctx)
+            return rows
+        return self.fetch(self.ids(input_ids, ctx), input_ids.device)
 
 
 class PLELayer(nn.Module):

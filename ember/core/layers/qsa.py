@@ -15,6 +15,15 @@ Decoding needs each sequence's earlier raw index keys. An ``attend`` with a KV c
 per sequence, the pass's included: the sampler stores them in its KV pages); otherwise they travel in
 ``ctx.state`` under ``index_keys`` (``[N, L, d]``, zero-padded to the longest sequence; it grows by one
 row per token, like a KV cache).
+
+A static-shape decode step (CUDA graphs) can neither test the threshold on the device nor select per
+sequence: its ``ctx.position_bound`` decides the threshold on the host, and an ``attend`` with
+``fixed_selection`` hands every row's index keys up to that bound as one ``[B, L, d]`` table
+(``index_key_table``),
+over which all rows select at once (:meth:`QSAIndexer.select_fixed`). Ties among block scores are
+then broken toward the lower block (``torch.topk``, which the per-sequence path calls as transformers
+does, breaks them in an order of its own that depends on the row's length); set ``stable_ties`` to
+break them so on every path.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ class BlockSelection:
     blocks: torch.Tensor
     block_size: int
     positions: torch.Tensor
+    tokens: int | None = None  # a host-known bound of every query's keys (positions < tokens), if any
 
     def token_mask(self, rows: slice, kv_len: int) -> torch.Tensor:
         """``[rows, kv_len]`` bool: may query ``t`` attend to the key at sequence position ``j``."""
@@ -63,6 +73,7 @@ class QSAIndexer(nn.Module):
     """Chooses the key blocks of every query (frozen: ``index_qk_proj`` and the two norms)."""
 
     frozen_in_full_finetune = True  # ember.core.full_ft: it selects under no_grad, nothing trains it
+    stable_ties = False  # True: the per-sequence path breaks ties toward the lower block too (module doc)
 
     def __init__(self, hidden: int, n_heads: int, head_dim: int, budget: int, block_size: int, eps: float, layer: int):
         super().__init__()
@@ -81,7 +92,8 @@ class QSAIndexer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding) -> BlockSelection | None:
         """The selection of every query in the pass, or ``None`` when all of them are dense."""
         positions = ctx.positions
-        dense = int(((positions + 1) // self.block_size).max()) <= self.block_topk
+        bound = ctx.position_bound if ctx.position_bound is not None else int(positions.max())
+        dense = (bound + 1) // self.block_size <= self.block_topk
         if dense and ctx.state is None:
             return None  # training below the threshold: the keys are not needed later either
         T, d = x.shape[0], self.head_dim
@@ -93,13 +105,16 @@ class QSAIndexer(nn.Module):
             cache.store_index_keys(self.layer, raw)
             if dense:
                 return None
+            if getattr(cache, "fixed_selection", False):
+                keys = cache.index_key_table(self.layer, bound + 1)
+                blocks = self.select_fixed(self._queries(x, qk, ctx, rotary), keys, positions, rotary)
+                return BlockSelection(blocks, self.block_size, positions, bound + 1)
             keys = cache.index_keys(self.layer, raw)
         else:
             keys = self._keys_from_state(raw, ctx, seq_lens)
             if dense:
                 return None
-        cos, sin = ctx.rope(rotary, x.dtype)
-        q = apply_rope(self.q_layernorm(qk[:, : self.n_heads * d].view(T, self.n_heads, d)), cos, sin).float()
+        q = self._queries(x, qk, ctx, rotary)
         blocks = torch.full((T, self.block_topk), -1, dtype=torch.long, device=x.device)
         start = 0
         for seq_keys, n in zip(keys, seq_lens):
@@ -107,6 +122,54 @@ class QSAIndexer(nn.Module):
             self._select(q[rows], seq_keys, positions[rows], rotary, blocks[rows])
             start += n
         return BlockSelection(blocks, self.block_size, positions)
+
+    def _queries(self, x: torch.Tensor, qk: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding) -> torch.Tensor:
+        """The index queries ``[T, h, d]`` (fp32) of the pass."""
+        T, d = x.shape[0], self.head_dim
+        cos, sin = ctx.rope(rotary, x.dtype)
+        return apply_rope(self.q_layernorm(qk[:, : self.n_heads * d].view(T, self.n_heads, d)), cos, sin).float()
+
+    def _block_keys(self, keys: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """The pooled, normalised and rotated keys ``[..., C, d]`` (fp32) of the complete blocks of
+        raw index keys ``[..., L, d]`` (``C = L // r``)."""
+        r = self.block_size
+        num_blocks = keys.shape[-2] // r
+        pooled = keys[..., : num_blocks * r, :].unflatten(-2, (num_blocks, r)).float().mean(-2).to(keys.dtype)
+        starts = torch.arange(num_blocks, device=keys.device) * r
+        cos, sin = rotary.cos_sin(starts, keys.dtype)
+        normed = self.k_layernorm(pooled)  # [..., C, d] -> blocks along the token axis of apply_rope
+        flat = normed.reshape(-1, num_blocks, normed.shape[-1]).transpose(0, 1)
+        return apply_rope(flat, cos, sin).transpose(0, 1).reshape(normed.shape).float()
+
+    def _scores(self, q: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
+        """``Σ_h relu(q_h · k_c) / sqrt(d)``: q ``[T, h, d]``, block keys ``[C, d]`` -> ``[T, C]``."""
+        return torch.relu(torch.einsum("thd,cd->tch", q, block_keys)).sum(-1) / math.sqrt(self.head_dim)
+
+    def _top(self, scores: torch.Tensor, stable: bool) -> torch.Tensor:
+        """The ``block_topk`` best columns of each row of ``scores``."""
+        if stable:
+            return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.block_topk]
+        return scores.topk(self.block_topk, dim=-1).indices
+
+    def select_fixed(
+        self, q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        """The chosen blocks ``[B, K]`` of one query per row (``q`` ``[B, h, d]`` at ``positions``)
+        over each row's raw index keys ``keys`` ``[B, L, d]`` (the row's first ``positions + 1``
+        are its own; the rest are never read): fixed shapes, no host data, ties toward the lower
+        block. A row that sees at most ``K`` blocks gets them all."""
+        r, K = self.block_size, self.block_topk
+        L = keys.shape[1]
+        visible = (positions + 1) // r
+        j = torch.arange(K, device=q.device)
+        dense = torch.where(j[None] < visible[:, None], j[None], -1)
+        if L // r <= K:  # no row can see more than K blocks
+            return dense
+        block_keys = self._block_keys(keys, rotary)  # [B, C, d]
+        scores = torch.relu(torch.einsum("bhd,bcd->bch", q, block_keys)).sum(-1) / math.sqrt(self.head_dim)
+        seen = torch.arange(scores.shape[1], device=q.device)[None] < visible[:, None]
+        top = self._top(scores.masked_fill(~seen, float("-inf")), stable=True)
+        return torch.where((visible > K)[:, None], top, dense)
 
     def _keys_from_state(self, raw: torch.Tensor, ctx: ForwardContext, seq_lens: list[int]) -> list[torch.Tensor]:
         """Every sequence's raw index keys so far, its earlier ones read from ``ctx.state``
@@ -146,19 +209,16 @@ class QSAIndexer(nn.Module):
             out[dense] = torch.where(j[None] < visible[dense, None], j[None], -1)
         if dense.all():
             return
-        pooled = keys[: num_blocks * r].view(num_blocks, r, -1).float().mean(1).to(keys.dtype)
-        starts = torch.arange(num_blocks, device=keys.device) * r
-        cos, sin = rotary.cos_sin(starts, keys.dtype)
-        block_keys = apply_rope(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0].float()
+        block_keys = self._block_keys(keys[: num_blocks * r], rotary)
         first = int(torch.nonzero(~dense)[0])  # positions increase: the sparse queries come last
         step = max(1, _SCORE_ELEMENTS // (num_blocks * self.n_heads))
         for s in range(first, q.shape[0], step):
             e = min(q.shape[0], s + step)
-            scores = torch.relu(torch.einsum("thd,cd->tch", q[s:e], block_keys)).sum(-1) / math.sqrt(self.head_dim)
+            scores = self._scores(q[s:e], block_keys)
             seen, counts = torch.unique_consecutive(visible[s:e], return_counts=True)
             a = 0
             for c, n in zip(seen.tolist(), counts.tolist()):  # runs of queries that see the same blocks
-                out[s + a : s + a + n] = scores[a : a + n, :c].topk(K, dim=-1).indices
+                out[s + a : s + a + n] = self._top(scores[a : a + n, :c], self.stable_ties)
                 a += n
 
 

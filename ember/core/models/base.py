@@ -46,6 +46,11 @@ class ForwardContext:
     * ``state`` — recurrent state carried between passes of decoding sequences (``None`` in
       training, where every sequence starts at position 0).
     * ``routing`` — MoE routing record/replay, or ``None``.
+    * ``position_bound`` — an upper bound of ``positions`` the host knows (``None``: layers that need
+      one read ``positions``, a device sync on a GPU). The static decoder sets it, so that a step
+      decides on the host what a layer would otherwise decide from its positions (QSA's dense threshold).
+    * ``prefetched`` — rows of host-resident tables fetched before the pass, by layer (the static
+      decoder's n-gram memory rows; ``None``: layers look their rows up themselves).
     """
 
     positions: torch.Tensor
@@ -54,6 +59,8 @@ class ForwardContext:
     seq_lens: list[int] | None = None
     state: SequenceState | None = None
     routing: RoutingRecord | None = None
+    position_bound: int | None = None
+    prefetched: dict[int, torch.Tensor] | None = None
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

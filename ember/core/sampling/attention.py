@@ -17,8 +17,9 @@ the current token included.
 Inkling-2's ``relative(...)`` (relative bias by distance and sinks, sliding or global) runs the same
 kernel with the bias and the sink added (so it captures too); without Triton it gathers the pages
 (:func:`gather_pages`, only those of the window on sliding layers). A QSA block selection
-(``accepts_selection``; Qwen3.8-Flash-Next) and the QSA indexer's raw keys kept in the pages
-(``store_index_keys`` / ``index_keys``) decode eagerly through such gathers.
+(``accepts_selection``; Qwen3.8-Flash-Next) runs the kernel with the unchosen blocks masked (without
+Triton, a gather and a masked softmax); the QSA indexer's raw keys are kept in the pages
+(``store_index_keys`` / ``index_keys`` / ``index_key_table``).
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ if fused.HAVE_TRITON:
         LENS,
         P,
         SINK,
+        SEL,
         qk_scale,
         window,
         rel_extent,
+        sel_block,
         stride_qb,
         stride_qh,
         stride_kp,
@@ -85,6 +88,7 @@ if fused.HAVE_TRITON:
         stride_pb,
         stride_ph,
         stride_sb,
+        stride_selb,
         REP: tl.constexpr,
         REP_PAD: tl.constexpr,
         D: tl.constexpr,
@@ -97,6 +101,7 @@ if fused.HAVE_TRITON:
         DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr,
+        HAS_SELECT: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's visible
         tokens, BLOCK_N at a time (any number of pages: each token's page comes from the block
@@ -108,7 +113,9 @@ if fused.HAVE_TRITON:
 
         ``HAS_BIAS``: ``P[b, h, dist]`` (``[B, Hq, rel_extent]``) is added to the score of the key
         ``dist = n - 1 - pos`` tokens back when ``dist < rel_extent`` (Inkling-2's relative bias).
-        ``HAS_SINK``: ``SINK[b, h]`` is one more logit in the softmax, with no value (a sink)."""
+        ``HAS_SINK``: ``SINK[b, h]`` is one more logit in the softmax, with no value (a sink).
+        ``HAS_SELECT``: only the keys of the ``sel_block``-token blocks ``c`` with ``SEL[b, c] != 0``
+        and those after the query's last complete block are visible (a QSA block selection)."""
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
@@ -135,6 +142,9 @@ if fused.HAVE_TRITON:
         for blk in range(blk0, blk1):
             pos = blk * BLOCK_N + tok
             valid = (pos < n) & (pos >= start)
+            if HAS_SELECT:
+                picked = tl.load(SEL + b.to(tl.int64) * stride_selb + pos // sel_block, mask=valid, other=0)
+                valid = valid & ((picked != 0) | (pos >= n // sel_block * sel_block))
             page = tl.load(bt_base + pos // PAGE, mask=valid, other=0).to(tl.int64)
             slot = (pos % PAGE).to(tl.int64)
             k_row = page * stride_kp + slot * stride_ks
@@ -269,12 +279,15 @@ def paged_decode_triton(
     num_splits: int | None = None,
     profiles: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
+    select_block: int = 1,
 ) -> torch.Tensor:
     """Triton decode attention: ``q`` ``[B, Hq, D]`` against each sequence's ``seq_lens[b]`` cached
     tokens (``block_table`` ``[B, W]`` int32) -> ``[B, Hq, Dv]``; rows with length 0 give zeros.
     Optional (Inkling-2, :func:`relative_decode`'s contract): ``profiles`` ``[B, Hq, R]``, a bias
     by distance back from the query (``R`` nearest keys), and ``sinks`` ``[B, Hq]``, a logit
-    without a value.
+    without a value. ``selected`` ``[B, C]`` (nonzero: chosen; QSA): only the keys of the chosen
+    ``select_block``-token blocks and those after the query's last complete block are visible.
 
     Flash-decoding: the visible tokens of a sequence are dealt to up to ``num_splits`` programs
     per KV head (by default chosen from the shapes: batch, heads, block-table width) and a second
@@ -305,6 +318,7 @@ def paged_decode_triton(
         sinks = sinks.contiguous()
     P = profiles if profiles is not None else out  # not read without the flags
     S = sinks if sinks is not None else out
+    C = selected if selected is not None else out
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
         k_pages,
@@ -316,9 +330,11 @@ def paged_decode_triton(
         seq_lens,
         P,
         S,
+        C,
         float(scale) * _LOG2E,
         window,
         P.shape[-1] if profiles is not None else 0,
+        int(select_block),
         q.stride(0),
         q.stride(1),
         k_pages.stride(0),
@@ -333,6 +349,7 @@ def paged_decode_triton(
         P.stride(0),
         P.stride(1),
         S.stride(0),
+        C.stride(0),
         REP=rep,
         REP_PAD=max(16, _pow2(rep)),
         D=D,
@@ -345,6 +362,7 @@ def paged_decode_triton(
         DOT_PRECISION="ieee" if k_pages.dtype == torch.float32 else "tf32",
         HAS_BIAS=profiles is not None,
         HAS_SINK=sinks is not None,
+        HAS_SELECT=selected is not None,
         **_DECODE_LAUNCH,
     )
     if num_splits > 1:
@@ -659,22 +677,30 @@ class DecodeAttention:
     All inputs are tensors, so the same object serves a captured CUDA graph whose buffers are
     refilled between replays (plain attention, and Inkling-2's ``relative(...)`` through the Triton
     kernel: relative bias by distance and the sink, over the last ``window`` positions on sliding
-    layers; without Triton only the pages that hold them are gathered). The variants below gather
-    the sequences' pages and compute in PyTorch (families that need them decode eagerly):
+    layers; without Triton only the pages that hold them are gathered), and a QSA block
+    ``selection`` (``accepts_selection``: the selected blocks plus the query's tail, through the
+    kernel's selection mask; without Triton a gather of the pages and a masked softmax).
+    ``store_index_keys`` / ``index_keys`` keep and read the QSA indexer's raw keys in the pages.
 
-    * a QSA block ``selection`` (``accepts_selection``): the selected blocks plus the query's tail;
-    * ``store_index_keys`` / ``index_keys``: the QSA indexer's raw keys, kept in the cache's pages.
+    ``fixed_selection`` (the static decoder): the QSA indexer reads the index keys as one table
+    (:meth:`index_key_table`) and selects for all rows at once, with no host data.
     """
 
     accepts_selection = True
 
     def __init__(
-        self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        fixed_selection: bool = False,
     ):
         self.cache = cache
         self.slot_mapping = slot_mapping
         self.block_table = block_table
         self.seq_lens = seq_lens
+        self.fixed_selection = fixed_selection
 
     def __call__(
         self, layer: int, q, k, v, spec: AttentionSpec, scale: float, selection: BlockSelection | None = None
@@ -686,6 +712,17 @@ class DecodeAttention:
             )
         if _window(spec):
             raise NotImplementedError("a QSA block selection on a sliding-window layer")
+        r = selection.block_size
+        blocks = selection.blocks
+        columns = -(-(selection.tokens or self.block_table.shape[1] * self.cache.page_size) // r)
+        chosen = torch.zeros(blocks.shape[0], columns + 1, dtype=torch.int8, device=blocks.device)
+        chosen.scatter_(1, torch.where(blocks >= 0, blocks, columns), 1)  # -1 -> the spare column
+        out = _decode_triton_or_none(
+            q, self.cache.k[layer], self.cache.v[layer], self.block_table, self.seq_lens, scale,
+            selected=chosen, select_block=r,
+        )
+        if out is not None:
+            return out
         keys, _ = gather_pages(self.cache.k[layer], self.block_table)
         values, _ = gather_pages(self.cache.v[layer], self.block_table)
         valid = selection.token_mask(slice(None), keys.shape[1])  # causal, selected blocks + tail
@@ -716,5 +753,14 @@ class DecodeAttention:
 
     def index_keys(self, layer: int, keys: torch.Tensor) -> list[torch.Tensor]:
         """Every sequence's raw index keys so far (``[n_i, d]``, the new token's included)."""
-        rows, _ = gather_pages(self.cache.rows[(layer, INDEX_KEYS)], self.block_table)
+        rows = self.index_key_table(layer)
         return [rows[b, :n] for b, n in enumerate(self.seq_lens.tolist())]
+
+    def index_key_table(self, layer: int, tokens: int | None = None) -> torch.Tensor:
+        """Every row's raw index keys ``[B, L, d]``: the pages of the block table's first columns
+        that hold ``tokens`` positions (all of them by default); row ``b``'s first ``seq_lens[b]``
+        are its own, the new token's included."""
+        table = self.block_table
+        if tokens is not None:
+            table = table[:, : min(table.shape[1], -(-tokens // self.cache.page_size))]
+        return gather_pages(self.cache.rows[(layer, INDEX_KEYS)], table)[0]

@@ -8,9 +8,10 @@ CUDA graphs is :class:`ember.core.sampling.graphs.StaticDecoder`. Both return ra
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ember.core.adapters import AdapterBank, AdapterView
@@ -44,9 +45,26 @@ class DecodeBatch:
     # > 0: that decoder also returns the head of each row's distribution (``head_record``), for
     # the stability record of untruncated sampling
     record_head: int = 0
+    # each row's tokens so far as (prompt, generated), ``input_ids[i]`` the last of them; for
+    # decoders that compute from a row's last tokens on the host (see :meth:`recent`)
+    histories: list[tuple[Sequence[int], Sequence[int]]] | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)
+
+    def recent(self, n: int, fill: int) -> np.ndarray:
+        """``[B, n]`` int64: each row's last ``n`` tokens, oldest first and ``input_ids[i]`` last,
+        ``fill`` where a row has fewer (before its sequence's start)."""
+        if self.histories is None:
+            raise ValueError("this decode batch carries no token histories")
+        out = np.full((len(self), n), fill, dtype=np.int64)
+        for i, (prompt, generated) in enumerate(self.histories):
+            tail = list(generated[-n:])
+            if len(tail) < n:
+                tail = list(prompt[max(0, len(prompt) - (n - len(tail))) :]) + tail
+            if tail:
+                out[i, n - len(tail) :] = tail
+        return out
 
     def slot_runs(self) -> list[tuple[int, int, int]]:
         """``(slot, start, end)`` runs of consecutive rows with one slot."""

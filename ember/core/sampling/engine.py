@@ -152,7 +152,8 @@ class EngineStats:
     first_token_time: float | None = None  # perf_counter() when the first token was sampled
 
 
-STATIC_FAMILIES = {"llama", "qwen3", "qwen3_moe", "inkling2", "inkling2_text", "qwen3_next"}
+STATIC_FAMILIES = {"llama", "qwen3", "qwen3_moe", "inkling2", "inkling2_text", "qwen3_next", "qwen4_exp",
+                   "qwen4_exp_text"}
 # families whose prompts may continue a cached prefix: only attention layers (plain or sliding)
 # carry context. Hybrid families (qwen3_next, qwen4_exp: linear attention; inkling2: short
 # convolutions and relative attention) keep per-sequence recurrent state that the pages do not
@@ -595,6 +596,7 @@ class SamplingEngine:
             uniforms=[seeded_uniform(s.seed, len(s.tokens)) for s in seqs],
             record_head=max((q.record_support for q in reqs
                              if q.record_support and plain(q.temperature, q.top_k, q.top_p, self.vocab)), default=0),
+            histories=[(q.prompt, s.tokens) for q, s in zip(reqs, seqs)],
         )
         raw, record, chosen = self._run_decoder(batch)
         for s in seqs:

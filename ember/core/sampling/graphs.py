@@ -20,16 +20,22 @@ they capture too); their LoRA factors are stacked per expert group (one per slot
 after a zero group for rows without one), so a bank of many slots costs an expert stack entry only
 for the adapters that sample.
 
-Recurrent state (short-convolution windows, Gated DeltaNet's delta-rule state) is read and written
-through fixed rows of the engine's :class:`~ember.core.sampling.kv_cache.RecurrentStateStore`
+Recurrent state (short-convolution windows, Gated DeltaNet's delta-rule state, n-gram contexts) is
+read and written through fixed rows of the engine's
+:class:`~ember.core.sampling.kv_cache.RecurrentStateStore`
 (:class:`~ember.core.sampling.kv_cache.StaticPassState`: one gather and one scatter per value, the
 rows a static buffer, padding rows on the store's scratch row), and Inkling-2's relative attention
 runs the paged decode kernel with its bias and sinks, so those families capture too.
+Qwen3.8-Flash-Next's host-resident n-gram memory is read before the step: the host hashes each
+row's last tokens (:meth:`~ember.core.sampling.decode.DecodeBatch.recent`) and copies the table rows
+into a static buffer (``ctx.prefetched``). Its QSA indexer is told on the host whether the step is
+past the dense threshold (``ctx.position_bound``; past it, a graph per power of two of the longest
+row) and selects over a fixed-width table of every row's index keys, ties toward the lower block
+(:meth:`~ember.core.layers.qsa.QSAIndexer.select_fixed`); the kernel masks the unchosen blocks.
 
 Everything but the capture itself runs eagerly on the CPU too, which is how the tests check it
 against :class:`~ember.core.sampling.decode.EagerDecoder`. The engine decides which families use
-it (``STATIC_FAMILIES``; no MoE routing record; not Qwen3.8-Flash-Next, whose n-gram memory reads a
-host table and whose QSA indexer selects per sequence on the host); under tensor parallelism the split
+it (``STATIC_FAMILIES``; no MoE routing record); under tensor parallelism the split
 projections' collectives run in the step (their modules' ``shard``) and the LM head's vocabulary
 parts are gathered before the draw. The stacks are synced from the adapter bank
 whenever a request is admitted, so sampling reads the weights the trainer last wrote.
@@ -51,6 +57,8 @@ from ember.core.adapters import AdapterBank
 from ember.core.kernels import fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
 from ember.core.layers.lora import LoraLinear
+from ember.core.layers.ngram_memory import NGramEmbedding
+from ember.core.layers.qsa import QSAIndexer
 from ember.core.logprobs import chunk_logits
 from ember.core.models.base import CausalLM
 from ember.core.sampling.attention import DecodeAttention
@@ -445,6 +453,7 @@ class _Buffers:
     seq_lens: torch.Tensor
     offsets: torch.Tensor
     n_rows: torch.Tensor  # real (unpadded) rows, int32 [1]
+    ngram_rows: dict[int, torch.Tensor]  # layer -> its n-gram memory rows [bucket, width], fetched before the step
 
 
 class StaticDecoder:
@@ -471,8 +480,13 @@ class StaticDecoder:
         self.stacks = LoraStacks(bank, next(model.parameters()).dtype, shared)
         self.use_graphs = use_graphs and cache.device.type == "cuda"
         self.rope_tables: dict = {}
+        # host-resident n-gram tables: their rows are computed and fetched on the host before a step
+        self.ngrams = [m for m in model.modules() if isinstance(m, NGramEmbedding)]
+        # QSA: below this position every query attends densely (the step decides it on the host)
+        indexers = [m for m in model.modules() if isinstance(m, QSAIndexer)]
+        self.sparse_from = min(((m.block_topk + 1) * m.block_size - 1 for m in indexers), default=None)
         self._buffers: dict[int, _Buffers] = {}
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._graph_version = self._version()
         self._pool = None
         self._staging: dict[str, torch.Tensor] = {}
@@ -500,6 +514,11 @@ class StaticDecoder:
             small = torch.zeros(bucket + self.stacks.groups + 1, dtype=torch.int32, device=d)
             floats = torch.zeros(2, bucket, dtype=torch.float64, device=d)
             floats[1] = 0.5
+            ngram_rows = {}
+            for m in self.ngrams:
+                table = m.ngram_embedding.weight
+                width = len(m.primes) * table.shape[1]
+                ngram_rows[m.layer] = torch.zeros(bucket, width, dtype=table.dtype, device=d)
             self._buffers[bucket] = _Buffers(
                 longs=longs,
                 small=small,
@@ -512,6 +531,7 @@ class StaticDecoder:
                 seq_lens=small[:bucket],
                 offsets=small[bucket:-1],
                 n_rows=small[-1:],
+                ngram_rows=ngram_rows,
             )
         return self._buffers[bucket]
 
@@ -564,19 +584,41 @@ class StaticDecoder:
         buf.floats.copy_(floats, non_blocking=True)
         # only the pages of real rows are read (length 0 rows read none): stale columns are harmless
         buf.block_table[:n, :width].copy_(table, non_blocking=True)
+        if self.ngrams:  # padding rows keep stale rows: their outputs are dropped
+            windows = {}
+            pin = self.cache.device.type == "cuda"
+            for m in self.ngrams:
+                key = (m.ngram_size, m.eos)
+                if key not in windows:
+                    windows[key] = torch.from_numpy(batch.recent(m.ngram_size, m.eos))
+                buf.ngram_rows[m.layer][:n].copy_(m.rows(m.window_ids(windows[key]), pin), non_blocking=True)
         if self.cache.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
 
-    def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _span(self, batch: DecodeBatch) -> int:
+        """0 while every row of ``batch`` is below QSA's dense threshold (or the model has no QSA);
+        past it, the keys the step's selection reads: a power of two above the longest row (at
+        most the context length), so a graph serves many steps and selects over few spare keys."""
+        if self.sparse_from is None or max(batch.positions) < self.sparse_from:
+            return 0
+        return min(self.max_positions, 1 << max(batch.positions).bit_length())
+
+    def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the positions' host-known bound: below the span past QSA's threshold, below the threshold
+        # in a dense step, below the context length without QSA
+        bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
                             rows=buf.positions.shape[0])
         ctx = DecodeContext(
             positions=buf.positions,
-            attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens),
+            attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True),
             lora=route,
             seq_lens=[1] * buf.positions.shape[0],
             state=self.states.static_view(buf.state_rows),
+            position_bound=bound,
+            prefetched=buf.ngram_rows if self.ngrams else None,
             rope_tables=self.rope_tables,
             max_positions=self.max_positions,
         )
@@ -608,21 +650,22 @@ class StaticDecoder:
         use_lora = any(batch.slots)
         n = len(batch)
         head = batch.record_head
+        span = self._span(batch)
         if not self.use_graphs:
-            logits, chosen = self._forward(buf, use_lora, head)
+            logits, chosen = self._forward(buf, use_lora, head, span)
             return logits[:n], None, chosen[:, :n]
         version = self._version()
         if version != self._graph_version:  # new stacks, rollout copies quantised again, new state slabs
             self._graphs.clear()
             self._graph_version = version
-        key = (bucket, use_lora, head)
+        key = (bucket, use_lora, head, span)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(buf, use_lora, head)
+            self._graphs[key] = self._capture(buf, use_lora, head, span)
         graph, (logits, chosen) = self._graphs[key]
         graph.replay()
         return logits[:n], None, chosen[:, :n]
 
-    def _capture(self, buf: _Buffers, use_lora: bool, head: int = 0
+    def _capture(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0
                  ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # warm up on a side stream (Triton compilation, cuBLAS handles, rotary tables), then capture;
         # the warm-up writes the same keys and values the replay will write
@@ -632,11 +675,11 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(buf, use_lora, head)
+                self._forward(buf, use_lora, head, span)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(buf, use_lora, head)
+            out = self._forward(buf, use_lora, head, span)
         return graph, out
 
     def capture_all(self, use_lora: bool = True) -> None:
@@ -648,8 +691,8 @@ class StaticDecoder:
             buf.offsets.zero_()
             buf.offsets[-1] = b
             buf.n_rows.fill_(b)
-            if (b, use_lora, 0) not in self._graphs:
-                self._graphs[(b, use_lora, 0)] = self._capture(buf, use_lora)
+            if (b, use_lora, 0, 0) not in self._graphs:
+                self._graphs[(b, use_lora, 0, 0)] = self._capture(buf, use_lora)
 
 
 def graphs_failed(err: Exception) -> None:

@@ -484,7 +484,7 @@ def check_relative_decode() -> None:
 
 def check_selected_decode() -> None:
     """Qwen3.8-Flash-Next's decode attention under a QSA block selection through the paged kernel
-    (``HAS_SELECT``: unchosen blocks masked), bf16, against the gathered fp32 PyTorch path
+    (``HAS_SELECT``: only the chosen blocks and the tail read), bf16, against the gathered fp32 PyTorch path
     (``masked_decode`` over ``BlockSelection.token_mask``); ragged lengths over shuffled pages of 16,
     an empty row, 128-token blocks, 8 of them chosen (64 rows x 2 KV heads, several splits)."""
     from ember.core.layers.qsa import BlockSelection
@@ -510,10 +510,7 @@ def check_selected_decode() -> None:
     seq = lens.to(torch.int32).cuda()
     blocks = blocks.cuda()
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    columns = 4096 // r
-    chosen = torch.zeros(b, columns + 1, dtype=torch.int8, device="cuda")
-    chosen.scatter_(1, torch.where(blocks >= 0, blocks, columns), 1)
-    got = paged_decode_triton(q, kp, vp, table, seq, scale, selected=chosen, select_block=r)
+    got = paged_decode_triton(q, kp, vp, table, seq, scale, selected=blocks, select_block=r)
     keys, _ = gather_pages(kp, table)
     values, _ = gather_pages(vp, table)
     valid = BlockSelection(blocks, r, seq.long() - 1).token_mask(slice(None), keys.shape[1])

@@ -55,7 +55,6 @@ class BlockSelection:
     blocks: torch.Tensor
     block_size: int
     positions: torch.Tensor
-    tokens: int | None = None  # a host-known bound of every query's keys (positions < tokens), if any
 
     def token_mask(self, rows: slice, kv_len: int) -> torch.Tensor:
         """``[rows, kv_len]`` bool: may query ``t`` attend to the key at sequence position ``j``."""
@@ -108,7 +107,7 @@ class QSAIndexer(nn.Module):
             if getattr(cache, "fixed_selection", False):
                 keys = cache.index_key_table(self.layer, bound + 1)
                 blocks = self.select_fixed(self._queries(x, qk, ctx, rotary), keys, positions, rotary)
-                return BlockSelection(blocks, self.block_size, positions, bound + 1)
+                return BlockSelection(blocks, self.block_size, positions)
             keys = cache.index_keys(self.layer, raw)
         else:
             keys = self._keys_from_state(raw, ctx, seq_lens)

@@ -17,8 +17,8 @@ the current token included.
 Inkling-2's ``relative(...)`` (relative bias by distance and sinks, sliding or global) runs the same
 kernel with the bias and the sink added (so it captures too); without Triton it gathers the pages
 (:func:`gather_pages`, only those of the window on sliding layers). A QSA block selection
-(``accepts_selection``; Qwen3.8-Flash-Next) runs the kernel with the unchosen blocks masked (without
-Triton, a gather and a masked softmax); the QSA indexer's raw keys are kept in the pages
+(``accepts_selection``; Qwen3.8-Flash-Next) runs the kernel over the chosen blocks and the tail
+only (without Triton, a gather of all pages and a masked softmax); the QSA indexer's raw keys are kept in the pages
 (``store_index_keys`` / ``index_keys`` / ``index_key_table``).
 """
 
@@ -58,6 +58,12 @@ if fused.HAVE_TRITON:
         return start, first, nblk, per, active
 
     @triton.jit
+    def _decode_extent(n, sel_span):
+        """The tokens a sequence of length ``n`` walks: ``n``, or ``sel_span`` virtual ones under a
+        block selection (``sel_span > 0``; none for an empty row)."""
+        return tl.where(sel_span > 0, tl.where(n > 0, sel_span, 0), n)
+
+    @triton.jit
     def _paged_decode_kernel(
         Q,
         K,
@@ -74,6 +80,7 @@ if fused.HAVE_TRITON:
         window,
         rel_extent,
         sel_block,
+        sel_span,
         stride_qb,
         stride_qh,
         stride_kp,
@@ -114,13 +121,16 @@ if fused.HAVE_TRITON:
         ``HAS_BIAS``: ``P[b, h, dist]`` (``[B, Hq, rel_extent]``) is added to the score of the key
         ``dist = n - 1 - pos`` tokens back when ``dist < rel_extent`` (Inkling-2's relative bias).
         ``HAS_SINK``: ``SINK[b, h]`` is one more logit in the softmax, with no value (a sink).
-        ``HAS_SELECT``: only the keys of the ``sel_block``-token blocks ``c`` with ``SEL[b, c] != 0``
-        and those after the query's last complete block are visible (a QSA block selection)."""
+        ``HAS_SELECT`` (a QSA block selection): only the keys of the ``sel_block``-token blocks listed
+        in ``SEL[b]`` (``[B, C]`` block numbers, ``-1``: none) and those after the query's last
+        complete block are visible, and only those are read: the program walks ``sel_span = (C + 1)
+        · sel_block`` virtual tokens, the listed blocks' then the tail's, instead of the sequence."""
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
         n = tl.load(LENS + b)
-        start, first, nblk, per, active = _decode_split_range(n, window, BLOCK_N, NUM_SPLITS)
+        extent = _decode_extent(n, sel_span)
+        start, first, nblk, per, active = _decode_split_range(extent, window, BLOCK_N, NUM_SPLITS)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D_PAD)
         dv = tl.arange(0, DV_PAD)
@@ -141,10 +151,15 @@ if fused.HAVE_TRITON:
         blk1 = tl.minimum(blk0 + per, first + nblk)  # empty for splits past ``active``
         for blk in range(blk0, blk1):
             pos = blk * BLOCK_N + tok
-            valid = (pos < n) & (pos >= start)
-            if HAS_SELECT:
-                picked = tl.load(SEL + b.to(tl.int64) * stride_selb + pos // sel_block, mask=valid, other=0)
-                valid = valid & ((picked != 0) | (pos >= n // sel_block * sel_block))
+            valid = (pos < extent) & (pos >= start)
+            if HAS_SELECT:  # virtual token -> position: the listed blocks' tokens, then the tail's
+                listed = sel_span - sel_block
+                in_list = pos < listed
+                chosen = tl.load(SEL + b.to(tl.int64) * stride_selb + pos // sel_block, mask=valid & in_list, other=-1)
+                virtual = pos
+                pos = tl.where(in_list, chosen * sel_block + virtual % sel_block,
+                               n // sel_block * sel_block + virtual - listed)
+                valid = valid & tl.where(in_list, chosen >= 0, pos < n)
             page = tl.load(bt_base + pos // PAGE, mask=valid, other=0).to(tl.int64)
             slot = (pos % PAGE).to(tl.int64)
             k_row = page * stride_kp + slot * stride_ks
@@ -192,6 +207,7 @@ if fused.HAVE_TRITON:
         LENS,
         SINK,
         window,
+        sel_span,
         stride_ob,
         stride_oh,
         stride_sb,
@@ -208,7 +224,7 @@ if fused.HAVE_TRITON:
         b = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(LENS + b)
-        _, _, _, _, active = _decode_split_range(n, window, BLOCK_N, NUM_SPLITS)
+        _, _, _, _, active = _decode_split_range(_decode_extent(n, sel_span), window, BLOCK_N, NUM_SPLITS)
         if active > 1:
             s = tl.arange(0, SPLITS_PAD)
             smask = s < active
@@ -286,8 +302,9 @@ def paged_decode_triton(
     tokens (``block_table`` ``[B, W]`` int32) -> ``[B, Hq, Dv]``; rows with length 0 give zeros.
     Optional (Inkling-2, :func:`relative_decode`'s contract): ``profiles`` ``[B, Hq, R]``, a bias
     by distance back from the query (``R`` nearest keys), and ``sinks`` ``[B, Hq]``, a logit
-    without a value. ``selected`` ``[B, C]`` (nonzero: chosen; QSA): only the keys of the chosen
-    ``select_block``-token blocks and those after the query's last complete block are visible.
+    without a value. ``selected`` ``[B, C]`` (QSA: block numbers of ``select_block`` tokens,
+    ``-1``: none; distinct, complete blocks): only the keys of those blocks and those after the
+    query's last complete block are visible, and only they are read (``C + 1`` blocks a row).
 
     Flash-decoding: the visible tokens of a sequence are dealt to up to ``num_splits`` programs
     per KV head (by default chosen from the shapes: batch, heads, block-table width) and a second
@@ -303,8 +320,10 @@ def paged_decode_triton(
     q = q.contiguous()
     d_pad, dv_pad = max(16, _pow2(D)), max(16, _pow2(Dv))  # tl.dot needs >= 16 along each axis
     block_n = _decode_block_n(d_pad, dv_pad)
+    sel_span = (selected.shape[1] + 1) * int(select_block) if selected is not None else 0
     if num_splits is None:
-        num_splits = _decode_num_splits(B, Hkv, block_table.shape[1] * page, block_n, q.device)
+        longest = sel_span or block_table.shape[1] * page
+        num_splits = _decode_num_splits(B, Hkv, longest, block_n, q.device)
     num_splits = max(1, int(num_splits))
     if num_splits > 1:
         acc = torch.empty(B, Hq, num_splits, Dv, dtype=torch.float32, device=q.device)
@@ -335,6 +354,7 @@ def paged_decode_triton(
         window,
         P.shape[-1] if profiles is not None else 0,
         int(select_block),
+        sel_span,
         q.stride(0),
         q.stride(1),
         k_pages.stride(0),
@@ -373,6 +393,7 @@ def paged_decode_triton(
             seq_lens,
             S,
             window,
+            sel_span,
             out.stride(0),
             out.stride(1),
             S.stride(0),
@@ -679,7 +700,7 @@ class DecodeAttention:
     kernel: relative bias by distance and the sink, over the last ``window`` positions on sliding
     layers; without Triton only the pages that hold them are gathered), and a QSA block
     ``selection`` (``accepts_selection``: the selected blocks plus the query's tail, through the
-    kernel's selection mask; without Triton a gather of the pages and a masked softmax).
+    kernel, which reads only those; without Triton a gather of the pages and a masked softmax).
     ``store_index_keys`` / ``index_keys`` keep and read the QSA indexer's raw keys in the pages.
 
     ``fixed_selection`` (the static decoder): the QSA indexer reads the index keys as one table
@@ -712,14 +733,9 @@ class DecodeAttention:
             )
         if _window(spec):
             raise NotImplementedError("a QSA block selection on a sliding-window layer")
-        r = selection.block_size
-        blocks = selection.blocks
-        columns = -(-(selection.tokens or self.block_table.shape[1] * self.cache.page_size) // r)
-        chosen = torch.zeros(blocks.shape[0], columns + 1, dtype=torch.int8, device=blocks.device)
-        chosen.scatter_(1, torch.where(blocks >= 0, blocks, columns), 1)  # -1 -> the spare column
         out = _decode_triton_or_none(
             q, self.cache.k[layer], self.cache.v[layer], self.block_table, self.seq_lens, scale,
-            selected=chosen, select_block=r,
+            selected=selection.blocks, select_block=selection.block_size,
         )
         if out is not None:
             return out

@@ -104,6 +104,10 @@ class CausalLM(nn.Module):
     # the LM head split by vocabulary across processes (set from outside, by ember.dist); passed
     # to every logprob and logits computation of the head
     vocab_split: VocabSplit | None = None
+    # what the sampler may do with the family (read by ember.core.sampling.engine):
+    static_decode = False  # its decode step captures in a CUDA graph (graphs.StaticDecoder)
+    chunked_prefill = False  # a prompt may be prefilled in chunks that continue from the cache and state store
+    prefix_sharing = False  # a prompt may start from another's cached pages: no layer keeps recurrent state
 
     def attach(self, cfg: ModelConfig, decoder: nn.Module) -> None:
         """Finish a family's ``__init__``: set the config and the decoder (``model``), add the LM head

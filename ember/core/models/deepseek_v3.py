@@ -112,6 +112,8 @@ class Decoder(nn.Module):
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 and GLM-4.7-Flash (``glm4_moe_lite``)."""
 
+    chunked_prefill = True  # a chunk attends over the cached latents
+
     # the router's correction bias decides near-ties between experts: fp32 as in transformers
     fp32_parameters = ("e_score_correction_bias",)
 

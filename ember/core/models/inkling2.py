@@ -375,6 +375,9 @@ class PaddedLMHead(LoraLinear):
 class Inkling2ForCausalLM(CausalLM):
     """Inkling-2 text model."""
 
+    # whole prompts only: relative attention runs the trainer's packed call, from position 0
+    static_decode = True
+
     # packed attention backend: None picks FlexAttention on CUDA and the exact eager path elsewhere
     attention_backend: str | None = None
 

@@ -87,6 +87,7 @@ class LlamaForCausalLM(CausalLM):
     """Llama 3 (and, with ``qk_norm``, Qwen3 dense and MoE)."""
 
     qk_norm = False
+    static_decode = chunked_prefill = prefix_sharing = True  # attention layers only
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -126,6 +126,8 @@ class Decoder(nn.Module):
 class Olmo3ForCausalLM(CausalLM):
     """Olmo 3 dense decoder."""
 
+    chunked_prefill = True  # a chunk attends plainly, sliding layers included
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.hidden_act != "silu":

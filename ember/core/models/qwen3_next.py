@@ -82,6 +82,10 @@ class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next. LoRA targets: attention q/k/v/o, Gated DeltaNet ``in_proj_qkvz``/``in_proj_ba``/
     ``out_proj`` (``attn``), routed and shared experts and dense MLPs (``mlp``), the LM head."""
 
+    # Gated DeltaNet continues from the state store (convolution window, delta-rule state), which
+    # another prompt's pages do not hold: no prefix sharing
+    static_decode = chunked_prefill = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attach(cfg, Qwen3NextDecoder(cfg))

@@ -109,6 +109,9 @@ class Qwen4ExpDecoder(nn.Module):
 class Qwen4ExpForCausalLM(CausalLM):
     """Qwen3.8-Flash-Next text model (transformers ``Qwen4ExpForCausalLM``)."""
 
+    # whole prompts only: the QSA indexer's prefill selects over the pass's own index keys
+    static_decode = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attach(cfg, Qwen4ExpDecoder(cfg))

@@ -47,6 +47,7 @@ from ember.core.adapters import AdapterBank
 from ember.core.batch import pack
 from ember.core.layers.lora import LoraLinear
 from ember.core.logprobs import token_logprobs
+from ember.core.models import FAMILIES
 from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
 from ember.core.sampling.attention import PrefillAttention
 from ember.core.sampling.decode import DecodeBatch, EagerDecoder
@@ -152,20 +153,19 @@ class EngineStats:
     first_token_time: float | None = None  # perf_counter() when the first token was sampled
 
 
-STATIC_FAMILIES = {"llama", "qwen3", "qwen3_moe", "inkling2", "inkling2_text", "qwen3_next", "qwen4_exp",
-                   "qwen4_exp_text"}
-# families whose prompts may continue a cached prefix: only attention layers (plain or sliding)
-# carry context. Hybrid families (qwen3_next, qwen4_exp: linear attention; inkling2: short
-# convolutions and relative attention) keep per-sequence recurrent state that the pages do not
-# hold, so their prompts never start from another prompt's pages.
-PREFIX_FAMILIES = {"llama", "qwen3", "qwen3_moe"}
-# families whose prompts may be prefilled in chunks: a chunk attends plainly (sliding windows and
-# latent attention included) over the tokens already cached, and recurrent layers (qwen3_next's
-# Gated DeltaNet: convolution window and delta-rule state) continue from the state store. Not
-# qwen4_exp (its QSA indexer's prefill keeps and selects over the pass's own index keys only) nor
-# inkling2 (its relative attention runs the trainer's packed call, from position 0): PrefillAttention
-# refuses a cached prefix for both, so they prefill whole prompts.
-CHUNK_FAMILIES = {"llama", "qwen3", "qwen3_moe", "olmo3", "deepseek_v3", "glm4_moe_lite", "qwen3_next"}
+# What the sampler may do with each family, as its class declares (``CausalLM.static_decode``,
+# ``chunked_prefill``, ``prefix_sharing``), by model_type:
+# * static decode: the decode step has static shapes and captures in a CUDA graph;
+# * chunked prefill: a chunk attends plainly (sliding windows and latent attention included) over the
+#   tokens already cached, and recurrent layers (Qwen3-Next's Gated DeltaNet) continue from the
+#   state store. Not Qwen3.8-Flash-Next (its QSA indexer's prefill keeps and selects over the pass's
+#   own index keys only) nor Inkling-2 (its relative attention runs the trainer's packed call, from
+#   position 0): PrefillAttention refuses a cached prefix for both, so they prefill whole prompts;
+# * prefix sharing: only attention layers carry context. Hybrid families keep per-sequence
+#   recurrent state that the pages do not hold, so their prompts never start from another's pages.
+STATIC_FAMILIES = {t for t, cls in FAMILIES.items() if cls.static_decode}
+CHUNK_FAMILIES = {t for t, cls in FAMILIES.items() if cls.chunked_prefill}
+PREFIX_FAMILIES = {t for t, cls in FAMILIES.items() if cls.prefix_sharing}
 
 
 class SamplingEngine:
@@ -197,7 +197,7 @@ class SamplingEngine:
             self.cache.usable_pages,
             config.page_size,
             config.max_prefill_tokens,
-            chunked=config.chunked_prefill and model.config.model_type in CHUNK_FAMILIES,
+            chunked=config.chunked_prefill and model.chunked_prefill,
         )
         self.eager = EagerDecoder(model, bank, self.cache, self.states, self.max_seq_len)
         # the sampler's quantised copy of the base weights (bf16: none; removes an earlier one)
@@ -207,7 +207,7 @@ class SamplingEngine:
             static = (
                 self.device.type == "cuda"
                 and dtype == torch.bfloat16
-                and model.config.model_type in STATIC_FAMILIES
+                and model.static_decode
                 and not _sharded(model)
             )
         self.static = None
@@ -218,7 +218,7 @@ class SamplingEngine:
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None
-        if config.prefix_sharing and model.config.model_type in PREFIX_FAMILIES:
+        if config.prefix_sharing and model.prefix_sharing:
             self.prefix = PrefixIndex(self.cache)
         self._adapter_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_handle = 0

@@ -35,7 +35,7 @@ row) and selects over a fixed-width table of every row's index keys, ties toward
 
 Everything but the capture itself runs eagerly on the CPU too, which is how the tests check it
 against :class:`~ember.core.sampling.decode.EagerDecoder`. The engine decides which families use
-it (``STATIC_FAMILIES``; no MoE routing record); under tensor parallelism the split
+it (``CausalLM.static_decode``; no MoE routing record); under tensor parallelism the split
 projections' collectives run in the step (their modules' ``shard``) and the LM head's vocabulary
 parts are gathered before the draw. The stacks are synced from the adapter bank
 whenever a request is admitted, so sampling reads the weights the trainer last wrote.

@@ -444,6 +444,21 @@ def check_paged_decode() -> None:
     check("ragged B=64 window=1000 one row", q[3:4], kp, vp, table[3:4], seq[3:4], window=1000, rows=1)
 
 
+def _paged_cache(b: int, lens: torch.Tensor, hkv: int, d: int, page: int, gen: torch.Generator):
+    """Random bf16 key and value pages for ``b`` rows of lengths ``lens`` on shuffled pages of
+    ``page`` tokens (page 0 unused), a block table 4,096 tokens wide, the lengths (int32)."""
+    npages = int((-(-lens // page)).sum()) + 1
+    kp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = (torch.randperm(npages - 1, device="cuda", generator=gen) + 1).int()
+    table = torch.zeros(b, 4096 // page, dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        table[i, : -(-n // page)] = perm[used : used + -(-n // page)]
+        used += -(-n // page)
+    return kp, vp, table, lens.to(torch.int32).cuda()
+
+
 def check_relative_decode() -> None:
     """Inkling-2's decode attention through the paged kernel (relative bias by distance and sinks:
     ``HAS_BIAS`` / ``HAS_SINK``), bf16, against the gathered PyTorch path of the same contract in
@@ -456,16 +471,7 @@ def check_relative_decode() -> None:
     gen = torch.Generator(device="cuda").manual_seed(3)
     lens = torch.randint(1, 3000, (b,), generator=torch.Generator().manual_seed(2))
     lens[:3] = torch.tensor([0, 1, 600])
-    npages = int((-(-lens // page)).sum()) + 1
-    kp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    vp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    perm = (torch.randperm(npages - 1, device="cuda", generator=gen) + 1).int()
-    table = torch.zeros(b, 4096 // page, dtype=torch.int32, device="cuda")
-    used = 0
-    for i, n in enumerate(lens.tolist()):
-        table[i, : -(-n // page)] = perm[used : used + -(-n // page)]
-        used += -(-n // page)
-    seq = lens.to(torch.int32).cuda()
+    kp, vp, table, seq = _paged_cache(b, lens, hkv, d, page, gen)
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     profiles = torch.randn(b, hq, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     sinks = torch.randn(b, hq, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
@@ -494,20 +500,12 @@ def check_selected_decode() -> None:
     gen = torch.Generator(device="cuda").manual_seed(4)
     lens = torch.randint(1, 4000, (b,), generator=torch.Generator().manual_seed(5))
     lens[:3] = torch.tensor([0, 1, 1500])
-    npages = int((-(-lens // page)).sum()) + 1
-    kp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    vp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    perm = (torch.randperm(npages - 1, device="cuda", generator=gen) + 1).int()
-    table = torch.zeros(b, 4096 // page, dtype=torch.int32, device="cuda")
-    used = 0
+    kp, vp, table, seq = _paged_cache(b, lens, hkv, d, page, gen)
     blocks = torch.full((b, k), -1, dtype=torch.long)
     for i, n in enumerate(lens.tolist()):
-        table[i, : -(-n // page)] = perm[used : used + -(-n // page)]
-        used += -(-n // page)
         visible = n // r
         pick = torch.randperm(visible)[:k] if visible > k else torch.arange(visible)
         blocks[i, : len(pick)] = pick
-    seq = lens.to(torch.int32).cuda()
     blocks = blocks.cuda()
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     got = paged_decode_triton(q, kp, vp, table, seq, scale, selected=blocks, select_block=r)

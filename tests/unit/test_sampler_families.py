@@ -198,31 +198,30 @@ def test_relative_decode_over_pages_equals_dense(page):
     check_relative_decode(page)
 
 
-def test_relative_decode_triton_kernel_equals_dense():
-    """The same through the paged decode kernel with its relative bias and sink (what CUDA graphs
-    capture), under Triton's interpreter: one split and several (the sink then joins in the merge
-    kernel), a static block table wider than the sequences."""
+def _kernel_check(check: str, gather: str) -> None:
+    """Run ``check(page, extra_columns=30)`` (a function of this module) in a fresh process under
+    Triton's interpreter, with the PyTorch fallback ``gather`` of ``ember.core.sampling.attention``
+    made to fail (so the paged kernel must run): pages of 1, 4 and 16, then 1 and 3 splits."""
     pytest.importorskip("triton")
     script = textwrap.dedent(
-        """
+        f"""
         from tests.triton_interp import patch_interpreter
         patch_interpreter()
-        import torch
         from ember.core.sampling import attention
-        from tests.unit.test_sampler_families import check_relative_decode
+        from tests.unit.test_sampler_families import {check} as check
 
         def no_gather(*a, **kw):
             raise AssertionError("the gather path ran, not the kernel")
 
-        attention.relative_decode = no_gather
+        attention.{gather} = no_gather
         calls = []
         kernel = attention.paged_decode_triton
         attention.paged_decode_triton = lambda *a, **kw: calls.append(kw.get("num_splits")) or kernel(*a, **kw)
         for page in (1, 4, 16):
-            check_relative_decode(page, extra_columns=30)
+            check(page, extra_columns=30)
         for splits in (1, 3):
-            attention.paged_decode_triton = lambda *a, **kw: kernel(*a, **{**kw, "num_splits": splits})
-            check_relative_decode(4, extra_columns=30)
+            attention.paged_decode_triton = lambda *a, **kw: kernel(*a, **{{**kw, "num_splits": splits}})
+            check(4, extra_columns=30)
         assert calls, "the kernel never ran"
         print("ok")
         """
@@ -231,6 +230,13 @@ def test_relative_decode_triton_kernel_equals_dense():
     res = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env,
                          timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_relative_decode_triton_kernel_equals_dense():
+    """The same through the paged decode kernel with its relative bias and sink (what CUDA graphs
+    capture), under Triton's interpreter: one split and several (the sink then joins in the merge
+    kernel), a static block table wider than the sequences."""
+    _kernel_check("check_relative_decode", "relative_decode")
 
 
 def check_relative_decode(page: int, extra_columns: int = 1) -> None:
@@ -321,33 +327,9 @@ def test_selected_decode_over_pages_equals_reference(page):
 
 
 def test_selected_decode_triton_kernel_equals_reference():
-    """The same through the paged decode kernel's selection mask (what CUDA graphs capture), under
+    """The same through the paged decode kernel's block selection (what CUDA graphs capture), under
     Triton's interpreter: one split and several, a block table wider than the sequences."""
-    pytest.importorskip("triton")
-    script = textwrap.dedent(
-        """
-        from tests.triton_interp import patch_interpreter
-        patch_interpreter()
-        from ember.core.sampling import attention
-        from tests.unit.test_sampler_families import check_selected_decode
-
-        def no_gather(*a, **kw):
-            raise AssertionError("the gather path ran, not the kernel")
-
-        attention.masked_decode = no_gather
-        kernel = attention.paged_decode_triton
-        for page in (1, 4, 16):
-            check_selected_decode(page, extra_columns=30)
-        for splits in (1, 3):
-            attention.paged_decode_triton = lambda *a, **kw: kernel(*a, **{**kw, "num_splits": splits})
-            check_selected_decode(4, extra_columns=30)
-        print("ok")
-        """
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    _kernel_check("check_selected_decode", "masked_decode")
 
 
 @pytest.mark.parametrize("name", ["inkling2", "qwen3_next", "qwen4_exp"])

@@ -19,8 +19,7 @@ row per token, like a KV cache).
 A static-shape decode step (CUDA graphs) can neither test the threshold on the device nor select per
 sequence: its ``ctx.position_bound`` decides the threshold on the host, and an ``attend`` with
 ``fixed_selection`` hands every row's index keys up to that bound as one ``[B, L, d]`` table
-(``index_key_table``),
-over which all rows select at once (:meth:`QSAIndexer.select_fixed`). Ties among block scores are
+(``index_key_table``), over which all rows select at once (:meth:`QSAIndexer.select_fixed`). Ties among block scores are
 then broken toward the lower block (``torch.topk``, which the per-sequence path calls as transformers
 does, breaks them in an order of its own that depends on the row's length); set ``stable_ties`` to
 break them so on every path.
@@ -133,7 +132,9 @@ class QSAIndexer(nn.Module):
         raw index keys ``[..., L, d]`` (``C = L // r``)."""
         r = self.block_size
         num_blocks = keys.shape[-2] // r
-        pooled = keys[..., : num_blocks * r, :].unflatten(-2, (num_blocks, r)).float().mean(-2).to(keys.dtype)
+        # the mean in fp32 (as a cast, then the mean), without an fp32 copy of the keys
+        pooled = keys[..., : num_blocks * r, :].unflatten(-2, (num_blocks, r)).mean(-2, dtype=torch.float32)
+        pooled = pooled.to(keys.dtype)
         starts = torch.arange(num_blocks, device=keys.device) * r
         cos, sin = rotary.cos_sin(starts, keys.dtype)
         normed = self.k_layernorm(pooled)  # [..., C, d] -> blocks along the token axis of apply_rope
@@ -141,8 +142,10 @@ class QSAIndexer(nn.Module):
         return apply_rope(flat, cos, sin).transpose(0, 1).reshape(normed.shape).float()
 
     def _scores(self, q: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
-        """``Σ_h relu(q_h · k_c) / sqrt(d)``: q ``[T, h, d]``, block keys ``[C, d]`` -> ``[T, C]``."""
-        return torch.relu(torch.einsum("thd,cd->tch", q, block_keys)).sum(-1) / math.sqrt(self.head_dim)
+        """``Σ_h relu(q_h · k_c) / sqrt(d)``: q ``[T, h, d]``, block keys ``[C, d]`` -> ``[T, C]``
+        (or, batched, ``[B, h, d]`` and ``[B, C, d]`` -> ``[B, C]``)."""
+        spec = "thd,cd->tch" if block_keys.dim() == 2 else "bhd,bcd->bch"
+        return torch.relu(torch.einsum(spec, q, block_keys)).sum(-1) / math.sqrt(self.head_dim)
 
     def _top(self, scores: torch.Tensor, stable: bool) -> torch.Tensor:
         """The ``block_topk`` best columns of each row of ``scores``."""
@@ -165,7 +168,7 @@ class QSAIndexer(nn.Module):
         if L // r <= K:  # no row can see more than K blocks
             return dense
         block_keys = self._block_keys(keys, rotary)  # [B, C, d]
-        scores = torch.relu(torch.einsum("bhd,bcd->bch", q, block_keys)).sum(-1) / math.sqrt(self.head_dim)
+        scores = self._scores(q, block_keys)
         seen = torch.arange(scores.shape[1], device=q.device)[None] < visible[:, None]
         top = self._top(scores.masked_fill(~seen, float("-inf")), stable=True)
         return torch.where((visible > K)[:, None], top, dense)

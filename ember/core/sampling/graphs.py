@@ -31,7 +31,8 @@ row's last tokens (:meth:`~ember.core.sampling.decode.DecodeBatch.recent`) and c
 into a static buffer (``ctx.prefetched``). Its QSA indexer is told on the host whether the step is
 past the dense threshold (``ctx.position_bound``; past it, a graph per power of two of the longest
 row) and selects over a fixed-width table of every row's index keys, ties toward the lower block
-(:meth:`~ember.core.layers.qsa.QSAIndexer.select_fixed`); the kernel masks the unchosen blocks.
+(:meth:`~ember.core.layers.qsa.QSAIndexer.select_fixed`); the paged kernel reads only the chosen
+blocks and the tail.
 
 Everything but the capture itself runs eagerly on the CPU too, which is how the tests check it
 against :class:`~ember.core.sampling.decode.EagerDecoder`. The engine decides which families use

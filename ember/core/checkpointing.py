@@ -71,6 +71,7 @@ from ember.core.layers.gated_deltanet import GatedDeltaNet
 from ember.core.layers.mla import MultiHeadLatentAttention
 from ember.core.layers.mlp import SwiGLU
 from ember.core.layers.moe import Experts, Routing
+from ember.core.layers.shared_expert_moe import SharedExpertMoE
 from ember.core.models.base import CausalLM, ForwardContext
 
 
@@ -282,27 +283,42 @@ def apply_checkpointing(model: CausalLM) -> LayerCheckpointing:
 
 # --- memory estimate (--activation-checkpointing auto) ----------------------------------------
 
-# What autograd keeps per token and layer, in elements of the model dtype (layer_elements):
-# * about 4 residual-width tensors (the layer input, the normed inputs of its two sublayers, the
-#   residual between them); under hyper-connections (qwen4_exp) about 12 per stream (fp32 mixing);
-# * attention: q/k/v twice (before and after their norm and rope) and its output (o_proj's input);
-#   gated attention also the output gate (q_proj twice as wide) and the gated output. MLA: its
-#   per-head q, k and v (v padded to the q/k head size for flash attention), the kv_b_proj output
-#   and the attention output. Gated DeltaNet: about 18 times its q/k/v/z width (the chunked
-#   form's fp32 work). Inkling2's relative attention counts as attention (not measured);
-# * a dense MLP 3 of its widths (gate, up, the activation); routed experts k rows of 3 widths and
-#   one hidden size each; shared experts 3 widths.
-# Fitted to what a LoRA forward kept on an H200 (bf16, rank 32 on attention and MLP, 2 x 2048
-# tokens; per layer, measured / estimated KB): Qwen3-8B 138 / 139, Olmo3-7B 149 / 156,
-# Qwen3-30B-A3B 116 / 115, Qwen3-Next-80B-A3B GDN 534 / 534 and gated attention 152 / 144,
-# Qwen3.8-Flash-Next GDN 925 / 929 and QSA attention 387 / 417, GLM-4.7-Flash 134 / 138,
-# DeepSeek-V3 dense 407 / 414 and MoE 526 / 528 (tests/unit/test_activation_checkpointing.py).
-RESIDUAL_TENSORS = 4
-STREAM_TENSORS = 12
+# What autograd keeps per token and layer, in elements of the model dtype (layer_elements), with
+# norm, rotary and gated-activation outputs rebuilt in the backward (ember.core.rebuild):
+# * 2 residual-width tensors (the layer input and the residual between its sublayers, which the
+#   norms keep); 4 in post-norm layers (``post_norm``: Olmo 3; the LoRA products keep the residual
+#   stream and the norms their sublayers' outputs); under hyper-connections (qwen4_exp) about 8
+#   per stream (the mixing in fp32 and the LoRA products' inputs);
+# * attention: the q/k norms' inputs (or the rotated q and k where there are none), v and the
+#   output; gated attention also the output gate (q_proj twice as wide, one storage with q), its
+#   sigmoid and the gated output. MLA: q and k per head, the values (padded to the q/k head size
+#   for flash attention when narrower, else the kv_b_proj output they are a view of), the output
+#   and the two latent norms' inputs. Gated DeltaNet: about 18 times its q/k/v/z width (Ember's
+#   PyTorch rule; fla's kernels on CUDA keep about a third of that). Inkling2's relative attention
+#   counts as attention;
+# * a dense MLP 2 of its widths (gate and up; the activation is rebuilt); routed experts k rows of
+#   2 widths; shared experts 2 widths, and one hidden size for a sigmoid-gated shared expert.
+# Fitted to what a LoRA forward keeps (bench/activation_split.py: bf16, rank 32 on attention and
+# MLP, on the CPU, attention keeping what flash attention keeps; per deep layer, measured /
+# estimated KB): Qwen3-8B 86.8 / 86.0, Olmo3-7B 110.2 / 109.6, Qwen3-30B-A3B 53.5 / 51.2,
+# GLM-4.7-Flash dense 101.3 / 100.4 and MoE 91.8 / 90.1, DeepSeek-V3 dense 304.3 / 303.1 and MoE
+# 305.6 / 303.1, Qwen3-Next-80B-A3B GDN 455.9 / 477.2 and gated attention 80.4 / 77.8,
+# Qwen3.8-Flash-Next GDN 816.8 / 787 and QSA attention 285.1 / 260.6 (the hyper-connections
+# eager) (tests/unit/test_activation_checkpointing.py). The engine scales the estimate by what its
+# own passes kept (Worker._kept_scale), which covers the GPU kernels' differences.
+RESIDUAL_TENSORS = 2
+POST_NORM_TENSORS = 4
+STREAM_TENSORS = 8
 GDN_FACTOR = 18
 # the LM head's chunked logprobs: fp32 chunks of at most 1 GiB (ember.core.logprobs), logits and
 # their gradient
 HEAD_BYTES = 2 << 30
+
+
+def _mla_elements(mla) -> int:
+    n, qk, v = mla.num_heads, mla.qk_head_dim, mla.v_head_dim
+    values = n * qk if v != qk else n * (mla.qk_nope_head_dim + v)  # a padded copy, or kv_b_proj's output
+    return 2 * n * qk + values + n * max(v, qk) + (mla.q_lora_rank or 0) + mla.kv_lora_rank
 
 
 def layer_elements(model: CausalLM) -> list[int]:
@@ -311,23 +327,25 @@ def layer_elements(model: CausalLM) -> list[int]:
     cfg = model.config
     H = cfg.hidden_size
     streams = int(getattr(model.model, "streams", 1))  # qwen4_exp's hyper-connection streams
-    residual = RESIDUAL_TENSORS * H if streams == 1 else STREAM_TENSORS * streams * H
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     routers = model.moe_routers()
     out = []
     for i, layer in enumerate(model.model.layers):
+        if streams > 1:
+            residual = STREAM_TENSORS * streams * H
+        else:
+            residual = (POST_NORM_TENSORS if getattr(layer, "post_norm", False) else RESIDUAL_TENSORS) * H
         mods = list(layer.modules())
         gdn = next((m for m in mods if isinstance(m, GatedDeltaNet)), None)
         mla = next((m.cfg for m in mods if isinstance(m, MultiHeadLatentAttention)), None)
         if mla is not None:
-            n, qk = mla.num_heads, mla.qk_head_dim
-            mixer = 2 * n * qk + n * max(mla.v_head_dim, qk) + n * (mla.qk_nope_head_dim + mla.v_head_dim) + n * mla.v_head_dim
+            mixer = _mla_elements(mla)
         elif gdn is not None:
             mixer = GDN_FACTOR * 2 * (gdn.shape.key_dim + gdn.shape.value_dim)
         elif any(isinstance(m, GatedAttention) for m in mods):
-            mixer = 2 * (2 * q + 2 * kv) + 2 * q
+            mixer = 5 * q + 2 * kv
         else:
-            mixer = 2 * (q + 2 * kv) + q
+            mixer = 2 * q + 2 * kv
         experts = next((m for m in mods if isinstance(m, Experts)), None)
         has_mlp = any(isinstance(m, SwiGLU) for m in mods)
         if experts is not None:
@@ -335,9 +353,10 @@ def layer_elements(model: CausalLM) -> list[int]:
             k = moe.top_k if moe is not None else routers[i].top_k
             inter = moe.intermediate_size if moe is not None else experts.gate_up_proj.shape[1] // 2
             shared = moe.shared_intermediate_size if moe is not None and has_mlp else 0
-            mlp = k * (3 * inter + H) + 3 * shared
+            gated = any(isinstance(m, SharedExpertMoE) for m in mods)
+            mlp = k * 2 * inter + 2 * shared + (H if gated else 0)
         else:
-            mlp = 3 * cfg.intermediate_size if has_mlp else 0
+            mlp = 2 * cfg.intermediate_size if has_mlp else 0
         out.append(residual + mixer + mlp)
     return out
 

@@ -53,6 +53,7 @@ from ember.core.losses import loss_sum
 from ember.core.models import CausalLM, ForwardContext
 from ember.core.optim import AdamParams
 from ember.core.peft_format import export_peft, import_peft
+from ember.core.rebuild import rebuilding
 from ember.core.rollout_precision import check_precision
 from ember.core.sampling import InvalidGeneration, SamplerConfig, SamplingEngine
 from ember.core.sampling.requests import Detokenize
@@ -614,17 +615,18 @@ class Worker:
             seq_lens=batch.doc_lengths,
             routing=routing,
         )
-        hidden = model.hidden_states(batch.input_ids, ctx)
-        return token_logprobs(
-            hidden,
-            model.unembed_weight,
-            targets,
-            lora=ctx.lora,
-            softcap=model.final_logit_softcap,
-            chunk=self.logprob_chunk,
-            inv_temperature=inv_temperature,
-            vocab=model.vocab_split,
-        )
+        with rebuilding():  # norm and activation outputs saved as recipes (ember.core.rebuild)
+            hidden = model.hidden_states(batch.input_ids, ctx)
+            return token_logprobs(
+                hidden,
+                model.unembed_weight,
+                targets,
+                lora=ctx.lora,
+                softcap=model.final_logit_softcap,
+                chunk=self.logprob_chunk,
+                inv_temperature=inv_temperature,
+                vocab=model.vocab_split,
+            )
 
     # -- optimizer ------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.core.kernels import fused
+from ember.core.rebuild import rebuildable
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -41,6 +42,6 @@ class _SiluMul(torch.autograd.Function):
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up``; with ``scale`` (``[rows]`` of 2-D inputs) each row times its
     scale, rounded once (an MoE layer's routing weights, gradient included)."""
-    if fused.use_triton(gate, up):
-        return fused.SiluMulFn.apply(gate, up, scale)
-    return _SiluMul.apply(gate, up, scale)
+    fn = fused.SiluMulFn.apply if fused.use_triton(gate, up) else _SiluMul.apply
+    # the output is made again for whoever saves it (the down projection): the activation keeps its inputs
+    return rebuildable(fn(gate, up, scale), fn, gate, up, scale)

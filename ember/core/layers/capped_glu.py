@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ember.core.layers.moe import Experts
+from ember.core.rebuild import rebuildable
 
 
 class _SiTUGLU(torch.autograd.Function):
@@ -49,8 +50,10 @@ class _SiTUGLU(torch.autograd.Function):
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float,
              scale: torch.Tensor | None = None) -> torch.Tensor:
     """``gate_cap·tanh(g/gate_cap)·σ(g) · up_cap·tanh(u/up_cap)``, in fp32, cast to ``gate``'s dtype;
-    with ``scale`` (``[rows]``) each row times its scale before the cast."""
-    return _SiTUGLU.apply(gate, up, gate_cap, up_cap, scale)
+    with ``scale`` (``[rows]``) each row times its scale before the cast. The output is made again
+    for whoever saves it (the down projection; the activation keeps its inputs: ember.core.rebuild)."""
+    return rebuildable(_SiTUGLU.apply(gate, up, gate_cap, up_cap, scale), _SiTUGLU.apply, gate, up, gate_cap,
+                       up_cap, scale)
 
 
 class CappedGLUExperts(Experts):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ember.core.kernels import fused
+from ember.core.rebuild import rebuildable
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -49,9 +50,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
              fp32_product: bool = False) -> torch.Tensor:
     """RMS-normalise the last dimension of ``x`` and scale by ``weight`` (or ``1 + weight``; in
     fp32 before the cast with ``fp32_product``)."""
-    if fused.use_triton(x, weight):
-        return fused.RMSNormFn.apply(x, weight, eps, zero_centred, fp32_product)
-    return _RMSNorm.apply(x, weight, eps, zero_centred, fp32_product)
+    fn = fused.RMSNormFn.apply if fused.use_triton(x, weight) else _RMSNorm.apply
+    # the output is made again for whoever saves it (the next LoRA product): the norm keeps x
+    return rebuildable(fn(x, weight, eps, zero_centred, fp32_product), fn, x, weight, eps, zero_centred, fp32_product)
 
 
 class RMSNorm(nn.Module):

@@ -12,6 +12,7 @@ import torch
 
 from ember.core.config import RopeConfig
 from ember.core.kernels import fused
+from ember.core.rebuild import rebuildable
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -59,8 +60,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, head_dim]``; only the first ``cos.shape[-1]`` channels rotate."""
-    if fused.use_triton(x, cos):
-        return fused.RopeFn.apply(x, cos, sin)
+    fn = fused.RopeFn.apply if fused.use_triton(x, cos) else _rotate
+    # a rotated norm output (q/k norms) is made again from the norm's input for attention's backward
+    return rebuildable(fn(x, cos, sin), fn, x, cos, sin, chained=True)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos[:, None, :], sin[:, None, :]
     rd = cos.shape[-1]
     if rd == x.shape[-1]:

@@ -20,6 +20,7 @@ from ember.core.layers.norms import RMSNorm, rms_norm
 from ember.core.layers.rope import RotaryEmbedding, apply_rope
 from ember.core.layers.rope_scaling import rotary_from_params
 from ember.core.models.base import CausalLM, ForwardContext
+from ember.core.rebuild import rebuildable
 
 DEFAULT_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -49,6 +50,12 @@ def rope_params_by_layer_type(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in fp32, back in ``x``'s dtype (made again from the q/k norm's input for
+    attention's backward: ``ember.core.rebuild``)."""
+    return apply_rope(x.float(), cos, sin).to(x.dtype)
+
+
 class Attention(nn.Module):
     """GQA attention with RMSNorm over the full q and k projections and per-layer-type rope."""
 
@@ -74,14 +81,15 @@ class Attention(nn.Module):
         v = self.v_proj(x, ctx.lora).view(T, -1, d)
         # transformers keeps Olmo 3's cos/sin in fp32 and rotates in fp32 before casting back
         cos, sin = ctx.rope(self.rotary, torch.float32)
-        q = apply_rope(q.float(), cos, sin).to(x.dtype)
-        k = apply_rope(k.float(), cos, sin).to(x.dtype)
+        q, k = (rebuildable(_rotated(t, cos, sin), _rotated, t, cos, sin, chained=True) for t in (q, k))
         o = ctx.attend(self.layer, q, k, v, self.spec, self.scale)
         return self.o_proj(o.reshape(T, -1), ctx.lora)
 
 
 class DecoderLayer(nn.Module):
     """``x + norm(attn(x))``, then ``x + norm(mlp(x))``."""
+
+    post_norm = True  # the LoRA products read the residual stream (ember.core.checkpointing's estimate)
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, spec: AttentionSpec):
         super().__init__()

@@ -10,6 +10,8 @@
 * the sampling kernel (plain rows) vs the fp64 PyTorch draw, with its time
 * the LM head padded to aligned rows (Olmo 3's vocabulary) vs fp64, and its time padded and not
 * Qwen3.8-Flash-Next's hyper-connection kernels vs eager, and their time
+* rebuilt activations: a mixed-adapter MoE pass with and without them (logprobs, gradients, bytes
+  kept), and the MoE combine kernel against fp32
 * the Gated DeltaNet rule through fla (bf16, chunked over packed sequences with initial states,
   and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
   a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout
@@ -185,6 +187,47 @@ def check_mixed() -> None:
     for m, a, i, k in worst[:6]:
         print(f"  adapter {i} {k}: mixed vs fp32 {m:.2e}, alone vs fp32 {a:.2e}")
     report("bf16 mixed gradients no noisier than alone", max(m - 2 * a for m, a, _, _ in worst), 1e-2)
+
+
+def check_rebuild() -> None:
+    """Rebuilt activations (``ember.core.rebuild``) on the CUDA paths (the Triton norm, activation
+    and rotary kernels, flash attention, the MoE combine kernel): a mixed-adapter MoE pass gives the
+    same logprobs and gradients with and without them (flash attention's backward is not bitwise
+    deterministic, so within its run-to-run noise: the same pass twice sets the tolerance) while
+    keeping less; and the combine kernel against fp32 at Qwen3-30B-A3B's training shape."""
+    from ember.core import rebuild
+    from ember.core.layers.moe import sum_rows
+
+    worker, slots = _mixed_worker(torch.bfloat16)
+    reqs = _mixed_requests(slots)
+
+    def run(enabled: bool):
+        kept = {}
+        rebuild.enabled = enabled
+        try:
+            with rebuild.observing(lambda t: kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())):
+                lp, grads = _run(worker, reqs, together=True)
+        finally:
+            rebuild.enabled = True
+        return lp, grads, sum(kept.values())
+
+    lp0, g0, kept0 = run(False)
+    _, g1, _ = run(False)
+    lp2, g2, kept2 = run(True)
+    print(f"kept for backward: {kept0 / 2**20:.1f} MiB without, {kept2 / 2**20:.1f} MiB rebuilt")
+    report("rebuilt activations keep less", float(kept2 >= kept0), 0)
+    report("logprobs rebuilt vs not", max(rel(torch.tensor(a), torch.tensor(b)) for x, y in zip(lp2, lp0)
+                                          for a, b in zip(x, y)), 1e-6)
+    noise = max(rel(x[k], y[k]) for x, y in zip(g1, g0) for k in y)
+    report(f"gradients rebuilt vs not (run-to-run {noise:.1e})",
+           max(rel(x[k], y[k]) for x, y in zip(g2, g0) for k in y), 2 * noise + 1e-6)
+
+    T, k, H = 16384, 8, 2048
+    rows, corr = (torch.randn(T * k, H, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    inverse = torch.randperm(T * k, device="cuda")
+    want = (rows.float() + corr.float())[inverse].view(T, k, H).sum(1)
+    report("sum_rows kernel with the correction vs fp32", rel(sum_rows(rows, inverse, T, extra=corr), want), 4e-3)
+    report("sum_rows kernel, fp32 out", rel(sum_rows(rows, inverse, T, fp32=True, extra=corr), want), 1e-6)
 
 
 def check_lora_linear() -> None:
@@ -756,6 +799,7 @@ CHECKS = {
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),
     "mixed": lambda: check_mixed(),
+    "rebuild": lambda: check_rebuild(),
 }
 
 if __name__ == "__main__":

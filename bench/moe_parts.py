@@ -4,7 +4,9 @@ information only)::
 
     python3 bench/moe_parts.py
 
-* combine: each token's sum of its k rows, gather + sum (``sum_rows``) against ``embedding_bag``;
+* combine: each token's sum of its k rows, ``sum_rows`` (one Triton kernel on CUDA) against
+  PyTorch's gather + sum and ``embedding_bag``; and of two tensors' rows (the expert products and
+  their LoRA correction, also the input gradient's two parts) against ``a + b``, gather and sum;
 * weighted activation: ``silu(g)·u·w`` fused, against silu_mul then a row scale, forward and
   backward (with the scale's gradient).
 """
@@ -27,14 +29,24 @@ def main() -> None:
     T, k, H, I = 16384, 8, 2048, 768
     dev, dt = "cuda", torch.bfloat16
     rows = torch.randn(T * k, H, device=dev, dtype=dt)
+    correction = torch.randn(T * k, H, device=dev, dtype=dt)
     inverse = torch.randperm(T * k, device=dev)
-    gb = 3 * rows.numel() * 2 / 1e9
     bags = inverse.view(T, k)
-    for name, fn in (("gather + sum", lambda: sum_rows(rows, inverse, T)),
-                     ("embedding_bag", lambda: torch.nn.functional.embedding_bag(bags, rows, mode="sum"))):
+    row_gb = rows.numel() * 2 / 1e9
+    for name, fn, gb in (
+        ("sum_rows (kernel)", lambda: sum_rows(rows, inverse, T), row_gb * (1 + 1 / k)),
+        ("gather + sum", lambda: rows[inverse].view(T, k, H).sum(1), row_gb * (3 + 1 / k)),
+        ("embedding_bag", lambda: torch.nn.functional.embedding_bag(bags, rows, mode="sum"), row_gb * (1 + 1 / k)),
+        ("sum_rows of rows + correction (kernel)", lambda: sum_rows(rows, inverse, T, extra=correction),
+         row_gb * (2 + 1 / k)),
+        ("rows + correction, gather + sum", lambda: (rows + correction)[inverse].view(T, k, H).sum(1),
+         row_gb * (6 + 1 / k)),
+    ):
         ms = event_time_ms(fn, 3, 20)
-        print(f"combine {name}: {ms:.3f} ms")
-    print(f"  (the gathered rows once: {rows.numel() * 2 / 1e9:.2f} GB; gather + sum moves ~{gb:.1f} GB)")
+        print(f"combine {name}: {ms:.3f} ms, {gb:.2f} GB moved at least: {gb / ms:.2f} TB/s")
+    want = (rows.float() + correction.float())[inverse].view(T, k, H).sum(1)
+    got = sum_rows(rows, inverse, T, extra=correction).float()
+    print(f"  kernel against fp32: {((got - want).norm() / want.norm()).item():.2e} (bf16 rounding once)")
 
     gu = torch.randn(T * k, 2 * I, device=dev, dtype=dt, requires_grad=True)
     w = torch.rand(T * k, device=dev, dtype=dt, requires_grad=True)

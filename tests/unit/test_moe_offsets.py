@@ -37,3 +37,37 @@ def test_an_moe_layer_never_calls_bincount(monkeypatch):
         experts.down_proj[e] @ experts.activation(*(experts.gate_up_proj[e] @ x[t]).chunk(2))
         for t, e in enumerate(routing.experts[:, j].tolist())]) for j in range(k))
     assert torch.allclose(got, want) and torch.allclose(got, ref)
+
+
+def moe_layer_case(dtype: torch.dtype, seed: int = 0):
+    """An MoE layer (8 experts, top-3, 13 tokens) with a LoRA adapter on both expert projections:
+    its output and the gradients of its input and of the adapter's factors, in ``dtype`` (the
+    same draws in every dtype)."""
+    from types import SimpleNamespace
+
+    from ember.core.layers.lora import LoraRoute, LoraWeights, TokenGroup
+
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E, k, r = 13, 24, 10, 8, 3, 4
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    experts = Experts(H, I, E).to(dtype)
+    experts.lora_name = "layers.0.mlp.experts"
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(draw(E, 2 * I, H, scale=H**-0.5))
+        experts.down_proj.copy_(draw(E, H, I, scale=I**-0.5))
+    factors = {
+        "gate_up_proj": LoraWeights(draw(E, r, H, scale=0.3).requires_grad_(), draw(E, 2 * I, r, scale=0.3).requires_grad_()),
+        "down_proj": LoraWeights(draw(E, r, I, scale=0.3).requires_grad_(), draw(E, H, r, scale=0.3).requires_grad_()),
+    }
+    adapter = SimpleNamespace(weights={f"{experts.lora_name}.{n}": w for n, w in factors.items()}, scale=0.5)
+    lora = LoraRoute([TokenGroup(adapter, 0, T)], torch.device("cpu"))
+    x = draw(T, H).requires_grad_()
+    choice = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    routing = Routing(choice, torch.rand(T, k, generator=g, dtype=torch.float64).to(dtype))
+    out = experts(x, routing, lora)
+    (out * draw(T, H)).sum().backward()
+    return (out.detach(), x.grad, torch.cat([w.A.grad.flatten() for w in factors.values()]),
+            torch.cat([w.B.grad.flatten() for w in factors.values()]))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import MoEConfig
+from ember.core.kernels import sum_rows as row_kernels
 from ember.core.kernels.grouped import grouped_linear, grouped_wgrad
 from ember.core.layers.activations import silu_mul
 from ember.core.layers.lora import LoraRoute
@@ -116,63 +117,78 @@ class _ExpertProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, rows, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None):
+    def forward(ctx, x, rows, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None, split=False):
         ctx.inverse = inverse  # rows' inverse permutation (ExpertRows.inverse): gx sums them without atomics
+        ctx.split = split
         xs = x if rows is None else x[rows]
         y = grouped_linear(xs, weight, offsets)
-        h = None
+        h = correction = None
         if A is not None:
             h = grouped_linear(xs, A, lora_offsets) * lora_scale[:, None]
-            y = y + grouped_linear(h, B, lora_offsets)
+            correction = grouped_linear(h, B, lora_offsets)
+            if not split:
+                y = y + correction
         ctx.save_for_backward(x, rows, weight, offsets, lora_offsets, lora_scale, A, B, h)
-        return y
+        return (y, correction) if split else y
 
     @staticmethod
-    def backward(ctx, gy):
+    def backward(ctx, gy, g_correction=None):
         x, rows, weight, offsets, lora_offsets, lora_scale, A, B, h = ctx.saved_tensors
+        if not ctx.split:
+            g_correction = gy
         xs = x if rows is None else x[rows]
         gxs = grouped_linear(gy, weight.transpose(1, 2), offsets)
         gW = grouped_wgrad(gy, xs, offsets) if ctx.needs_input_grad[2] else None
-        gA = gB = None
-        if A is not None:
-            gh = grouped_linear(gy, B.transpose(1, 2), lora_offsets)
-            gB = grouped_wgrad(gy, h, lora_offsets)
+        gA = gB = gxs_lora = None
+        if A is not None and g_correction is not None:
+            gh = grouped_linear(g_correction, B.transpose(1, 2), lora_offsets)
+            gB = grouped_wgrad(g_correction, h, lora_offsets)
             gh = gh * lora_scale[:, None]
-            gxs = gxs + grouped_linear(gh, A.transpose(1, 2), lora_offsets)
+            gxs_lora = grouped_linear(gh, A.transpose(1, 2), lora_offsets)
             gA = grouped_wgrad(gh, xs, lora_offsets)
-        if rows is None:
-            gx = gxs
-        elif ctx.inverse is not None:
-            gx = sum_rows(gxs, ctx.inverse, x.shape[0]).to(x.dtype)
+        if rows is not None and ctx.inverse is not None:
+            # each token's rows summed with the correction's in one pass (no [T·k, H] sum first)
+            gx = sum_rows(gxs, ctx.inverse, x.shape[0], extra=gxs_lora).to(x.dtype)
         else:
-            gx = torch.zeros_like(x).index_add_(0, rows, gxs)
-        return gx, None, gW, None, None, None, gA, gB, None
+            if gxs_lora is not None:
+                gxs = gxs + gxs_lora
+            gx = gxs if rows is None else torch.zeros_like(x).index_add_(0, rows, gxs)
+        return gx, None, gW, None, None, None, gA, gB, None, None
 
 
-def sum_rows(rows: torch.Tensor, inverse: torch.Tensor, tokens: int, fp32: bool = False) -> torch.Tensor:
-    """Each token's sum of its ``k`` rows: ``inverse[t * k + j]`` is the row of token ``t``'s
-    ``j``-th choice (every token has exactly ``k``). A gather and one reduction (accumulated in
-    fp32, rounded once), instead of ``index_add_``'s atomic adds; deterministic. (``embedding_bag``
-    computes the same in one kernel, but took 0.72 ms against 0.47 ms on an H200 at 16k tokens,
-    top-8, hidden 2048: ``bench/moe_parts.py``.)"""
+def sum_rows(rows: torch.Tensor, inverse: torch.Tensor, tokens: int, fp32: bool = False,
+             extra: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's sum of its ``k`` rows (of ``rows + extra`` when ``extra`` is given: an expert
+    product and its LoRA correction): ``inverse[t * k + j]`` is the row of token ``t``'s ``j``-th
+    choice (every token has exactly ``k``). Accumulated in fp32 and rounded once (to fp32 with
+    ``fp32``), instead of ``index_add_``'s atomic adds; deterministic. On CUDA one Triton kernel
+    reads each row once (:mod:`ember.core.kernels.sum_rows`; the sum with ``extra`` is not rounded
+    first); elsewhere ``rows + extra``, a gather and a reduction. (``embedding_bag`` computes the
+    plain sum in one kernel, but took 0.72 ms against 0.47 ms for gather + sum on an H200 at 16k
+    tokens, top-8, hidden 2048: ``bench/moe_parts.py``.)"""
+    if row_kernels.available(rows):
+        return row_kernels.sum_rows(rows, inverse, tokens, torch.float32 if fp32 else rows.dtype, extra)
+    if extra is not None:
+        rows = rows + extra
     picked = rows[inverse].view(tokens, -1, rows.shape[-1])
     return picked.float().sum(1) if fp32 else picked.sum(1)
 
 
 class _CombineRows(torch.autograd.Function):
-    """:func:`sum_rows` whose backward hands each row its token's gradient (a gather: the
-    autograd of ``rows[inverse]`` would scatter with atomics)."""
+    """:func:`sum_rows` (of ``rows + extra``) whose backward hands each row its token's gradient (a
+    gather: the autograd of ``rows[inverse]`` would scatter with atomics), the same for both."""
 
     @staticmethod
-    def forward(ctx, rows, inverse, token, tokens: int, fp32: bool):
+    def forward(ctx, rows, inverse, token, tokens: int, fp32: bool, extra=None):
         ctx.save_for_backward(token)
         ctx.dtype = rows.dtype
-        return sum_rows(rows, inverse, tokens, fp32)
+        return sum_rows(rows, inverse, tokens, fp32, extra)
 
     @staticmethod
     def backward(ctx, g):
         (token,) = ctx.saved_tensors
-        return g[token].to(ctx.dtype), None, None, None, None
+        grows = g[token].to(ctx.dtype)
+        return grows, None, None, None, None, grows if ctx.needs_input_grad[5] else None
 
 
 def pair_ends(sorted_key: torch.Tensor, pairs: int) -> torch.Tensor:
@@ -263,8 +279,9 @@ class Experts(nn.Module):
         if self.dispatch is not None:
             return self.dispatch(self, x, routing, lora)
         rows = ExpertRows.sort(routing, lora)
-        out = self.compute(x, rows.token, rows.weight, rows.key, rows.group, rows.groups, lora, rows.inverse)
-        return self.combine(x, rows.token, out, rows.inverse)
+        out, correction = self.compute(x, rows.token, rows.weight, rows.key, rows.group, rows.groups, lora,
+                                       rows.inverse, split=True)
+        return self.combine(x, rows.token, out, rows.inverse, correction)
 
     def compute(
         self,
@@ -276,38 +293,45 @@ class Experts(nn.Module):
         groups: int,
         lora: LoraRoute | None,
         inverse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        split: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The weighted expert outputs of rows sorted by ``key`` = ``local expert * groups +
         group``: row ``i`` is ``x[rows[i]]`` (``rows`` None: ``x`` itself), scaled by ``weight[i]``
-        (``inverse``: of ``rows``, when every token has the same number of rows; see :class:`ExpertRows`)."""
+        (``inverse``: of ``rows``, when every token has the same number of rows; see :class:`ExpertRows`).
+        With ``split``: the base products' rows and the down projection's LoRA correction apart
+        (None without one), for :meth:`combine` to sum in one pass."""
         E = self.num_experts
         ends = pair_ends(key, E * groups)
         expert_offsets = ends if groups == 1 else ends.view(E, groups)[:, -1].contiguous()
         lora_offsets = ends
 
-        def project(inp, rows, w, suffix):
+        def project(inp, rows, w, suffix, split=False):
             factors = None
             if lora is not None:
                 factors = lora.expert_factors(f"{self.lora_name}.{suffix}", group, inp.dtype)
             inv = inverse if rows is not None else None
             if factors is None:
-                return _ExpertProjection.apply(inp, rows, w, expert_offsets, None, None, None, None, inv)
+                y = _ExpertProjection.apply(inp, rows, w, expert_offsets, None, None, None, None, inv)
+                return (y, None) if split else y
             A, B, scale_rows = factors
-            return _ExpertProjection.apply(inp, rows, w, expert_offsets, lora_offsets, scale_rows, A, B, inv)
+            return _ExpertProjection.apply(inp, rows, w, expert_offsets, lora_offsets, scale_rows, A, B, inv, split)
 
         gate_up_w, down_w = self.gate_up_proj, self.down_proj
         if self.rollout is not None and self.rollout.active:
             gate_up_w, down_w = self.rollout.gate_up_proj, self.rollout.down_proj
         gate, up = project(x, rows, gate_up_w, "gate_up_proj").chunk(2, dim=-1)
         # the routing weight scales the down projection's input rows (same result: it is linear)
-        return project(self.activation(gate, up, weight), None, down_w, "down_proj")
+        return project(self.activation(gate, up, weight), None, down_w, "down_proj", split)
 
     def combine(self, x: torch.Tensor, token: torch.Tensor, out: torch.Tensor,
-                inverse: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum each token's rows of ``out`` (row ``i`` belongs to token ``token[i]``; with
-        ``inverse`` (:class:`ExpertRows`) by a gather and one reduction, else by ``index_add_``)."""
+                inverse: torch.Tensor | None = None, correction: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum each token's rows of ``out`` (plus ``correction``'s: :meth:`compute`'s ``split``; row
+        ``i`` belongs to token ``token[i]``; with ``inverse`` (:class:`ExpertRows`) by
+        :func:`sum_rows`, else by ``index_add_``)."""
         if inverse is not None:
-            return _CombineRows.apply(out, inverse, token, x.shape[0], self.accumulate_fp32).to(x.dtype)
+            return _CombineRows.apply(out, inverse, token, x.shape[0], self.accumulate_fp32, correction).to(x.dtype)
+        if correction is not None:
+            out = out + correction
         if self.accumulate_fp32:
             return x.new_zeros(x.shape, dtype=torch.float32).index_add_(0, token, out.float()).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)

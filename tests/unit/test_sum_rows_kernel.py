@@ -1,0 +1,66 @@
+"""The MoE combine kernel (ember.core.kernels.sum_rows, CUDA path) under Triton's interpreter: each
+token's sum of its k rows of one tensor or of two, bitwise the fp32 sum in the kernel's order,
+rounded once; and an MoE layer whose combine and input gradient run through it against the same
+layer in fp64."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from ember.core.kernels import sum_rows as kernels
+    from ember.core.layers import moe
+    from tests.triton_interp import patch_interpreter
+    patch_interpreter()
+    torch.manual_seed(0)
+
+    # widths below and above one column block (1024), k of 1 and 8
+    for T, k, H, dtype in ((5, 8, 48, torch.bfloat16), (3, 1, 1100, torch.float32), (4, 3, 20, torch.bfloat16)):
+        n = T * k
+        a, b = torch.randn(n, H).to(dtype), torch.randn(n, H).to(dtype)
+        inverse = torch.randperm(n)
+        for extra in (None, b):
+            for out_dtype in (dtype, torch.float32):
+                got = kernels.sum_rows(a, inverse, T, out_dtype, extra)
+                acc = torch.zeros(T, H)
+                for j in range(k):
+                    rows = inverse.view(T, k)[:, j]
+                    acc = acc + a[rows].float()
+                    if extra is not None:
+                        acc = acc + extra[rows].float()
+                assert got.dtype == out_dtype
+                # rounded once (to nearest on the GPU; Triton's interpreter truncates to bf16)
+                truncated = (acc.view(torch.int32) & ~0xFFFF).view(torch.float32).to(out_dtype)
+                assert torch.equal(got, acc.to(out_dtype)) or (out_dtype == torch.bfloat16 and torch.equal(got, truncated)), \
+                    (T, k, H, dtype, extra is None, out_dtype)
+    assert kernels.sum_rows(a, inverse[:0], 0, torch.float32).shape == (0, 20)
+
+    # an MoE layer with LoRA on its experts: forward and every gradient against fp64 (same code, no kernel)
+    from tests.unit.test_moe_offsets import moe_layer_case
+    calls = []
+    launch = kernels.sum_rows
+    kernels.sum_rows = lambda *a: calls.append(a[4] is not None) or launch(*a)
+    got = moe_layer_case(torch.float32)
+    assert calls == [True, True], calls  # the combine and the input's gradient, each with the LoRA rows
+    from ember.core.kernels import fused
+    fused.use_triton = kernels.available = lambda *t: False  # the PyTorch path, in fp64
+    ref = moe_layer_case(torch.float64)
+    for name, g, r in zip(("out", "dx", "dA", "dB"), got, ref):
+        err = ((g.double() - r).norm() / r.norm()).item()
+        assert err < 1e-5, (name, err)
+    print("ok")
+    """
+)
+
+
+def test_sum_rows_kernel_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

@@ -293,7 +293,7 @@ def apply_checkpointing(model: CausalLM) -> LayerCheckpointing:
 #   output; gated attention also the output gate (q_proj twice as wide, one storage with q), its
 #   sigmoid and the gated output. MLA: q and k per head, the values (padded to the q/k head size
 #   for flash attention when narrower, else the kv_b_proj output they are a view of), the output
-#   and the two latent norms' inputs. Gated DeltaNet: about 18 times its q/k/v/z width (Ember's
+#   and the two latent norms' inputs. Gated DeltaNet: about 15 times its q/k/v/z width (Ember's
 #   PyTorch rule; fla's kernels on CUDA keep about a third of that). Inkling2's relative attention
 #   counts as attention;
 # * a dense MLP 2 of its widths (gate and up; the activation is rebuilt); routed experts k rows of
@@ -302,14 +302,14 @@ def apply_checkpointing(model: CausalLM) -> LayerCheckpointing:
 # MLP, on the CPU, attention keeping what flash attention keeps; per deep layer, measured /
 # estimated KB): Qwen3-8B 86.8 / 86.0, Olmo3-7B 110.2 / 109.6, Qwen3-30B-A3B 53.5 / 51.2,
 # GLM-4.7-Flash dense 101.3 / 100.4 and MoE 91.8 / 90.1, DeepSeek-V3 dense 304.3 / 303.1 and MoE
-# 305.6 / 303.1, Qwen3-Next-80B-A3B GDN 455.9 / 477.2 and gated attention 80.4 / 77.8,
-# Qwen3.8-Flash-Next GDN 816.8 / 787 and QSA attention 285.1 / 260.6 (the hyper-connections
+# 305.6 / 303.1, Qwen3-Next-80B-A3B GDN 406.7 / 403.5 and gated attention 80.4 / 77.8,
+# Qwen3.8-Flash-Next GDN 767.6 / 688.6 and QSA attention 285.1 / 260.6 (the hyper-connections
 # eager) (tests/unit/test_activation_checkpointing.py). The engine scales the estimate by what its
 # own passes kept (Worker._kept_scale), which covers the GPU kernels' differences.
 RESIDUAL_TENSORS = 2
 POST_NORM_TENSORS = 4
 STREAM_TENSORS = 8
-GDN_FACTOR = 18
+GDN_FACTOR = 15
 # the LM head's chunked logprobs: fp32 chunks of at most 1 GiB (ember.core.logprobs), logits and
 # their gradient
 HEAD_BYTES = 2 << 30

@@ -101,6 +101,25 @@ SCRIPT = textwrap.dedent(
             if cap is not None:
                 ref = ref * (1 - torch.tanh(z / cap) ** 2)
             check(f"scaled_softmax cap={cap} t={inv_t is not None}", got, ref, 1e-5)
+
+    # the gated norm (Qwen3-Next): kernel and torch path against fp64 autograd of the formula,
+    # silu and sigmoid gates, a head width below a power of two, the weight's gradient too
+    for sigmoid in (False, True):
+        x0, z0 = torch.randn(23, 3, 40, dtype=torch.float64), torch.randn(23, 3, 40, dtype=torch.float64)
+        w0 = torch.rand(40, dtype=torch.float64) + 0.5
+        dy = torch.randn(23, 3, 40, dtype=torch.float64)
+        ref = [t.clone().requires_grad_() for t in (x0, z0, w0)]
+        xr, zr, wr = ref
+        act = torch.sigmoid(zr) if sigmoid else torch.nn.functional.silu(zr)
+        yr = wr * xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * act
+        (yr * dy).sum().backward()
+        for name, fn in (("kernel", fused.GatedRMSNormFn.apply), ("torch", norms._GatedRMSNorm.apply)):
+            got = [t.float().requires_grad_() for t in (x0, z0, w0)]
+            y = fn(*got, 1e-6, sigmoid)
+            (y * dy.float()).sum().backward()
+            check(f"gated norm {name} sigmoid={sigmoid} y", y, yr, 1e-5)
+            for part, a, b in zip(("dx", "dgate", "dw"), got, ref):
+                check(f"gated norm {name} sigmoid={sigmoid} {part}", a.grad, b.grad, 1e-4)
     print("OK")
     """
 )

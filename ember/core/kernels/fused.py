@@ -1,4 +1,5 @@
-"""Fused elementwise kernels (Triton) for RMSNorm, SwiGLU's ``silu(g) * u`` and rotary embeddings.
+"""Fused elementwise kernels (Triton) for RMSNorm (also gated, as Qwen3-Next's), SwiGLU's ``silu(g) * u``
+and rotary embeddings.
 
 Each is one pass over memory in forward and one in backward, where the plain PyTorch versions
 launch several kernels and round-trip through fp32 copies. They compute in fp32 and round once.
@@ -69,6 +70,57 @@ if HAVE_TRITON:
         dxhat = dy * w
         dx = rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / n_cols))
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gate_act(g, SIGMOID: tl.constexpr):
+        """``act(g)`` and ``act'(g)`` of the output gate: silu, or sigmoid."""
+        s = tl.sigmoid(g)
+        if SIGMOID:
+            return s, s * (1.0 - s)
+        return g * s, s * (1.0 + g * (1.0 - s))
+
+    @triton.jit
+    def _gated_rmsnorm_fwd(X, G, W, Y, RSTD, n_rows, stride_x, stride_g, stride_y, n_cols, eps,
+                           SIGMOID: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # ROWS rows of n_cols (a head's width) per program; the reference's order: normalise in fp32,
+        # round to the input dtype, scale by w (rounded: a product in that dtype), then times the
+        # gate's activation in fp32, rounded once more
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & (cols[None, :] < n_cols)
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        xhat = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
+        yw = (xhat * w[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+        act, _ = _gate_act(g, SIGMOID)
+        tl.store(Y + r64 * stride_y + cols[None, :], (yw * act).to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=rmask)
+
+    @triton.jit
+    def _gated_rmsnorm_bwd(X, G, W, DY, DX, DG, RSTD, n_rows, stride_x, stride_g, stride_dy, stride_dx, stride_dg,
+                           n_cols, SIGMOID: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & (cols[None, :] < n_cols)
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = x * rstd[:, None]
+        yw = (xhat.to(DX.dtype.element_ty).to(tl.float32) * w[None, :]).to(DX.dtype.element_ty).to(tl.float32)
+        act, dact = _gate_act(g, SIGMOID)
+        dg = dy * yw * dact
+        dn = dy * act * w[None, :]
+        dx = rstd[:, None] * (dn - xhat * (tl.sum(dn * xhat, axis=1) / n_cols)[:, None])
+        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DG + r64 * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_fwd(G, U, S, Y, stride_g, stride_u, stride_y, n_cols, HAS_SCALE: tl.constexpr,
@@ -243,6 +295,51 @@ class RMSNormFn(torch.autograd.Function):
             n = xhat if ctx.fp32_product else xhat.to(x2.dtype).float()
             dw = (dy2.float() * n).sum(0).to(weight.dtype)
         return dx.view(ctx.shape), dw, None, None, None
+
+
+def _gated_rows(x: torch.Tensor) -> int:
+    """Rows per program of the gated norm: about 4096 elements a program."""
+    return max(1, min(64, 4096 // triton.next_power_of_2(x.shape[-1])))
+
+
+class GatedRMSNormFn(torch.autograd.Function):
+    """Fused ``(w · round(RMSNorm(x))) · act(gate)`` over the last dimension (Qwen3-Next's gated
+    norm; ``sigmoid``: σ as the gate's activation, else silu); see
+    ``ember.core.layers.norms.gated_rms_norm`` for the reference. Keeps ``x``, ``gate`` and one fp32
+    scalar per row; the backward is one kernel (in fp32, without the forward's intermediate
+    roundings)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps: float, sigmoid: bool):
+        x2, g2 = _rows(x), _rows(gate)
+        n_rows, n_cols = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rows = _gated_rows(x)
+        _gated_rmsnorm_fwd[(triton.cdiv(n_rows, rows),)](
+            x2, g2, weight, y, rstd, n_rows, x2.stride(0), g2.stride(0), y.stride(0), n_cols, eps,
+            SIGMOID=sigmoid, ROWS=rows, BLOCK=triton.next_power_of_2(n_cols))
+        ctx.save_for_backward(x2, g2, weight, rstd)
+        ctx.sigmoid, ctx.shape = sigmoid, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, g2, weight, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = _rows(dy)
+        dx, dg = torch.empty_like(x2), torch.empty_like(g2)
+        rows = _gated_rows(x2)
+        _gated_rmsnorm_bwd[(triton.cdiv(n_rows, rows),)](
+            x2, g2, weight, dy2, dx, dg, rstd, n_rows, x2.stride(0), g2.stride(0), dy2.stride(0), dx.stride(0),
+            dg.stride(0), n_cols, SIGMOID=ctx.sigmoid, ROWS=rows, BLOCK=triton.next_power_of_2(n_cols))
+        dw = None
+        if ctx.needs_input_grad[2]:  # only full fine-tuning trains norm weights: plain torch is enough
+            g = g2.float()
+            act = torch.sigmoid(g) if ctx.sigmoid else torch.nn.functional.silu(g)
+            n = (x2.float() * rstd[:, None]).to(x2.dtype).float()
+            dw = (dy2.float() * act * n).sum(0).to(weight.dtype)
+        return dx.view(ctx.shape), dg.view(ctx.shape), dw, None, None
 
 
 class SiluMulFn(torch.autograd.Function):

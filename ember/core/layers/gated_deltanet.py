@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.layers.lora import LoraLinear, LoraRoute
-from ember.core.layers.norms import RMSNorm
+from ember.core.layers.norms import RMSNorm, gated_rms_norm
 from ember.core.layers.packed_conv import causal_conv
 
 if TYPE_CHECKING:
@@ -248,16 +248,16 @@ def fla_gated_delta_rule(
 
 class GatedRMSNorm(RMSNorm):
     """``w ⊙ RMSNorm(x) ⊙ act(z)`` per head (transformers ``RMSNormGated``: normalise in fp32, cast,
-    scale by ``w`` (initialised to 1), then gate in fp32)."""
+    scale by ``w`` (initialised to 1), then gate in fp32): :func:`~ember.core.layers.norms.gated_rms_norm`."""
 
     def __init__(self, dim: int, eps: float, activation: str):
         super().__init__(dim, eps)
-        self.activation = _ACTIVATIONS[activation]
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"gate activation {activation!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+        self.sigmoid = activation == "sigmoid"
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        xf = x.float()
-        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (y * self.activation(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.sigmoid)
 
 
 class GatedDeltaNet(nn.Module):

@@ -10,6 +10,7 @@ then multiply by the weight (``w * x̂``), or by ``1 + w`` for zero-centred norm
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.core.kernels import fused
@@ -53,6 +54,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     fn = fused.RMSNormFn.apply if fused.use_triton(x, weight) else _RMSNorm.apply
     # the output is made again for whoever saves it (the next LoRA product): the norm keeps x
     return rebuildable(fn(x, weight, eps, zero_centred, fp32_product), fn, x, weight, eps, zero_centred, fp32_product)
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    """The PyTorch gated norm (:func:`gated_rms_norm`), keeping ``x``, ``gate`` and one scalar per
+    row, where autograd of the formula keeps several fp32 copies."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps: float, sigmoid: bool):
+        f = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(f)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = weight * (xf * rstd).to(x.dtype)
+        g = gate.to(f)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        ctx.sigmoid = sigmoid
+        return (y * (torch.sigmoid(g) if sigmoid else F.silu(g))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, weight, rstd = ctx.saved_tensors
+        f = rstd.dtype
+        xhat = x.to(f) * rstd
+        n = xhat.to(x.dtype)
+        y = (weight * n).to(f)
+        g = gate.to(f)
+        s = torch.sigmoid(g)
+        act, dact = (s, s * (1 - s)) if ctx.sigmoid else (g * s, s * (1 + g * (1 - s)))
+        dyf = dy.to(f)
+        dg = dyf * y * dact
+        dn = dyf * act * weight.to(f)
+        dx = rstd * (dn - xhat * (dn * xhat).mean(-1, keepdim=True))
+        dw = None
+        if ctx.needs_input_grad[2]:
+            dw = (dyf * act * n.to(f)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return dx.to(x.dtype), dg.to(gate.dtype), dw, None, None
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   sigmoid: bool = False) -> torch.Tensor:
+    """``(w · RMSNorm(x)) · act(gate)`` over the last dimension, transformers' ``RMSNormGated``
+    order: normalise in fp32, cast to ``x``'s dtype, scale by ``w``, then times ``silu(gate)``
+    (``sigmoid``: ``σ(gate)``) in fp32 and cast back. One Triton kernel each way on CUDA. The output
+    is made again for whoever saves it (the output projection: ember.core.rebuild)."""
+    fn = fused.GatedRMSNormFn.apply if fused.use_triton(x, gate, weight) else _GatedRMSNorm.apply
+    return rebuildable(fn(x, gate, weight, eps, sigmoid), fn, x, gate, weight, eps, sigmoid)
 
 
 class RMSNorm(nn.Module):

@@ -7,8 +7,9 @@ information only)::
 * combine: each token's sum of its k rows, ``sum_rows`` (one Triton kernel on CUDA) against
   PyTorch's gather + sum and ``embedding_bag``; and of two tensors' rows (the expert products and
   their LoRA correction, also the input gradient's two parts) against ``a + b``, gather and sum;
-* weighted activation: ``silu(g)·u·w`` fused, against silu_mul then a row scale, forward and
-  backward (with the scale's gradient).
+* weighted activation: ``silu(g)·u·w`` of the packed gate_up (its gradient written as one tensor),
+  against the same after a ``chunk`` (whose backward copies the two halves' gradients into one) and
+  against silu_mul then a row scale, forward and backward (with the scale's gradient).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import event_time_ms
-from ember.core.layers.activations import silu_mul
+from ember.core.layers.activations import silu_mul, silu_mul_packed
 from ember.core.layers.moe import sum_rows
 
 
@@ -52,6 +53,9 @@ def main() -> None:
     w = torch.rand(T * k, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(T * k, I, device=dev, dtype=dt)
 
+    def packed():
+        silu_mul_packed(gu, w).backward(dy)
+
     def fused():
         g, u = gu.chunk(2, -1)
         silu_mul(g, u, w).backward(dy)
@@ -62,7 +66,9 @@ def main() -> None:
         y = a * w[:, None]
         y.backward(dy)
 
-    for name, fn in (("fused row scale", fused), ("silu_mul, then the scale", separate)):
+    for name, fn in (("packed gate_up (one gradient), fused row scale", packed),
+                     ("chunk, fused row scale (the chunk's backward copies both halves)", fused),
+                     ("chunk, silu_mul, then the scale", separate)):
         ms = event_time_ms(fn, 3, 20)
         print(f"weighted activation fwd+bwd {name}: {ms:.3f} ms")
 

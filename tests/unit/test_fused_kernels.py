@@ -68,6 +68,25 @@ SCRIPT = textwrap.dedent(
             check(f"silu_mul scaled {name} {width} dgate/dup", x[0].grad, ref_in[0].grad, 1e-5)
             check(f"silu_mul scaled {name} {width} dscale", x[1].grad, ref_in[1].grad, 1e-3)
 
+    # packed gate_up (an expert block's product): one gradient tensor, both halves from the kernel
+    for width, scaled in ((70, True), (2500, True), (70, False)):
+        gu = torch.randn(13, 2 * width, dtype=torch.float64)
+        sc = torch.rand(13, dtype=torch.float64)
+        g = torch.randn(13, width, dtype=torch.float64)
+        ref_in = [gu.clone().requires_grad_(), sc.clone().requires_grad_()]
+        yr = torch.nn.functional.silu(ref_in[0][:, :width]) * ref_in[0][:, width:]
+        if scaled:
+            yr = yr * ref_in[1][:, None]
+        (yr * g).sum().backward()
+        for name, fn in (("kernel", fused.SiluMulPackedFn.apply), ("torch", activations._SiluMulPacked.apply)):
+            x = [gu.float().requires_grad_(), sc.float().requires_grad_()]
+            y = fn(x[0], x[1] if scaled else None)
+            (y * g.float()).sum().backward()
+            check(f"silu_mul packed {name} {width} {scaled} y", y, yr, 1e-5)
+            check(f"silu_mul packed {name} {width} {scaled} dgate_up", x[0].grad, ref_in[0].grad, 1e-5)
+            if scaled:
+                check(f"silu_mul packed {name} {width} dscale", x[1].grad, ref_in[1].grad, 1e-3)
+
     for rot in (32, 16):   # full and partial rotary
         x = torch.randn(11, 4, 32).requires_grad_()
         pos = torch.arange(11)

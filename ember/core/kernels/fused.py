@@ -342,40 +342,73 @@ class GatedRMSNormFn(torch.autograd.Function):
         return dx.view(ctx.shape), dg.view(ctx.shape), dw, None, None
 
 
+SILU_BLOCK = 1024
+
+
+def _silu_mul_fwd_launch(g2: torch.Tensor, u2: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    n_rows, n_cols = g2.shape
+    y = torch.empty((n_rows, n_cols), dtype=g2.dtype, device=g2.device)
+    grid = (n_rows, triton.cdiv(n_cols, SILU_BLOCK))
+    s = scale.reshape(n_rows) if scale is not None else g2
+    _silu_mul_fwd[grid](g2, u2, s, y, g2.stride(0), u2.stride(0), y.stride(0), n_cols,
+                        HAS_SCALE=scale is not None, BLOCK=SILU_BLOCK)
+    return y
+
+
+def _silu_mul_bwd_launch(g2, u2, scale, dy, dg, du, need_dscale: bool):
+    """Writes the gradients of gate and up into ``dg`` and ``du`` (views, maybe of one buffer);
+    returns the scale's gradient (or None)."""
+    n_rows, n_cols = g2.shape
+    dy2 = _rows(dy)
+    grid = (n_rows, triton.cdiv(n_cols, SILU_BLOCK))
+    has = scale is not None
+    ds = torch.empty(grid, dtype=torch.float32, device=g2.device) if has else dg
+    _silu_mul_bwd[grid](g2, u2, scale.reshape(n_rows) if has else g2, dy2, dg, du, ds, g2.stride(0),
+                        u2.stride(0), dy2.stride(0), dg.stride(0), du.stride(0), n_cols, HAS_SCALE=has,
+                        BLOCK=SILU_BLOCK)
+    return ds.sum(1).to(scale.dtype).view(scale.shape) if has and need_dscale else None
+
+
 class SiluMulFn(torch.autograd.Function):
     """Fused ``silu(gate) * up`` over the last dimension (inputs may be strided views), each row
     times ``scale`` (``[rows]``) when given (an MoE layer's routing weights)."""
 
-    BLOCK = 1024
-
     @staticmethod
     def forward(ctx, gate, up, scale=None):
         g2, u2 = _rows(gate), _rows(up)
-        n_rows, n_cols = g2.shape
-        y = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
-        grid = (n_rows, triton.cdiv(n_cols, SiluMulFn.BLOCK))
-        s = scale.reshape(n_rows) if scale is not None else g2
-        _silu_mul_fwd[grid](g2, u2, s, y, g2.stride(0), u2.stride(0), y.stride(0), n_cols,
-                            HAS_SCALE=scale is not None, BLOCK=SiluMulFn.BLOCK)
         ctx.save_for_backward(g2, u2, scale)
         ctx.shape = gate.shape
-        return y.view(gate.shape)
+        return _silu_mul_fwd_launch(g2, u2, scale).view(gate.shape)
 
     @staticmethod
     def backward(ctx, dy):
         g2, u2, scale = ctx.saved_tensors
-        n_rows, n_cols = g2.shape
-        dy2 = _rows(dy)
-        dg = torch.empty((n_rows, n_cols), dtype=g2.dtype, device=g2.device)
-        du = torch.empty_like(dg)
-        grid = (n_rows, triton.cdiv(n_cols, SiluMulFn.BLOCK))
-        has = scale is not None
-        ds = torch.empty(grid, dtype=torch.float32, device=g2.device) if has else dg
-        _silu_mul_bwd[grid](g2, u2, scale.reshape(n_rows) if has else g2, dy2, dg, du, ds, g2.stride(0),
-                            u2.stride(0), dy2.stride(0), dg.stride(0), du.stride(0), n_cols, HAS_SCALE=has,
-                            BLOCK=SiluMulFn.BLOCK)
-        dscale = ds.sum(1).to(scale.dtype).view(scale.shape) if has and ctx.needs_input_grad[2] else None
+        dg, du = (torch.empty(g2.shape, dtype=g2.dtype, device=g2.device) for _ in range(2))
+        dscale = _silu_mul_bwd_launch(g2, u2, scale, dy, dg, du, scale is not None and ctx.needs_input_grad[2])
         return dg.view(ctx.shape), du.view(ctx.shape), dscale
+
+
+class SiluMulPackedFn(torch.autograd.Function):
+    """:class:`SiluMulFn` of one ``[..., 2·I]`` tensor, gate first (an expert block's gate_up
+    product): its gradient is one ``[..., 2·I]`` tensor that the kernel writes both halves of,
+    where the autograd of ``chunk`` would copy two ``[..., I]`` gradients into one."""
+
+    @staticmethod
+    def forward(ctx, gate_up, scale=None):
+        gu = _rows(gate_up)
+        half = gu.shape[1] // 2
+        ctx.save_for_backward(gu, scale)
+        ctx.shape = gate_up.shape
+        return _silu_mul_fwd_launch(gu[:, :half], gu[:, half:], scale).view(*gate_up.shape[:-1], half)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gu, scale = ctx.saved_tensors
+        half = gu.shape[1] // 2
+        dgu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
+        dscale = _silu_mul_bwd_launch(gu[:, :half], gu[:, half:], scale, dy, dgu[:, :half], dgu[:, half:],
+                                      scale is not None and ctx.needs_input_grad[1])
+        return dgu.view(ctx.shape), dscale
 
 
 def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:

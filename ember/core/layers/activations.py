@@ -14,29 +14,52 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _grads(gate, up, scale, dy, need_dscale: bool):
+    """The gradients of ``silu(gate) · up · scale`` (wide: fp32, or fp64 for fp64 inputs)."""
+    g = _wide(gate)
+    s = torch.sigmoid(g)
+    silu = g * s
+    dyf = _wide(dy)
+    dscale = None
+    if scale is not None:
+        if need_dscale:
+            dscale = (dyf * silu * _wide(up)).sum(-1).to(scale.dtype)
+        dyf = dyf * _wide(scale)[:, None]
+    return dyf * _wide(up) * (s * (1.0 + g * (1.0 - s))), dyf * silu, dscale
+
+
+def _forward(gate, up, scale):
+    if scale is None:
+        return F.silu(gate) * up
+    return (F.silu(_wide(gate)) * _wide(up) * _wide(scale)[:, None]).to(gate.dtype)
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, scale=None):
         ctx.save_for_backward(gate, up, scale)
-        if scale is None:
-            return F.silu(gate) * up
-        return (F.silu(_wide(gate)) * _wide(up) * _wide(scale)[:, None]).to(gate.dtype)
+        return _forward(gate, up, scale)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up, scale = ctx.saved_tensors
-        g = _wide(gate)
-        s = torch.sigmoid(g)
-        silu = g * s
-        dyf = _wide(dy)
-        dscale = None
-        if scale is not None:
-            if ctx.needs_input_grad[2]:
-                dscale = (dyf * silu * _wide(up)).sum(-1).to(scale.dtype)
-            dyf = dyf * _wide(scale)[:, None]
-        dgate = dyf * _wide(up) * (s * (1.0 + g * (1.0 - s)))
-        dup = dyf * silu
+        dgate, dup, dscale = _grads(gate, up, scale, dy, scale is not None and ctx.needs_input_grad[2])
         return dgate.to(gate.dtype), dup.to(up.dtype), dscale
+
+
+class _SiluMulPacked(torch.autograd.Function):
+    """:class:`_SiluMul` of one ``[..., 2·I]`` tensor (gate first), its gradient one tensor."""
+
+    @staticmethod
+    def forward(ctx, gate_up, scale=None):
+        ctx.save_for_backward(gate_up, scale)
+        return _forward(*gate_up.chunk(2, dim=-1), scale)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate_up, scale = ctx.saved_tensors
+        dgate, dup, dscale = _grads(*gate_up.chunk(2, dim=-1), scale, dy, scale is not None and ctx.needs_input_grad[1])
+        return torch.cat([dgate, dup], dim=-1).to(gate_up.dtype), dscale
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,3 +68,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = 
     fn = fused.SiluMulFn.apply if fused.use_triton(gate, up) else _SiluMul.apply
     # the output is made again for whoever saves it (the down projection): the activation keeps its inputs
     return rebuildable(fn(gate, up, scale), fn, gate, up, scale)
+
+
+def silu_mul_packed(gate_up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`silu_mul` of the two halves of ``gate_up`` (``[..., 2·I]``, gate first), whose
+    gradient comes back as one tensor (on CUDA the kernel writes both halves; a ``chunk`` before
+    :func:`silu_mul` would copy them into one in the backward)."""
+    fn = fused.SiluMulPackedFn.apply if fused.use_triton(gate_up) else _SiluMulPacked.apply
+    return rebuildable(fn(gate_up, scale), fn, gate_up, scale)

@@ -67,5 +67,5 @@ class CappedGLUExperts(Experts):
         self.gate_cap = gate_cap
         self.up_cap = up_cap
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        return situ_glu(gate, up, self.gate_cap, self.up_cap, scale)
+    def activation(self, gate_up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return situ_glu(*gate_up.chunk(2, dim=-1), self.gate_cap, self.up_cap, scale)

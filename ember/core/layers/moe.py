@@ -21,7 +21,7 @@ from torch import nn
 from ember.core.config import MoEConfig
 from ember.core.kernels import sum_rows as row_kernels
 from ember.core.kernels.grouped import grouped_linear, grouped_wgrad
-from ember.core.layers.activations import silu_mul
+from ember.core.layers.activations import silu_mul_packed
 from ember.core.layers.lora import LoraRoute
 
 
@@ -270,10 +270,11 @@ class Experts(nn.Module):
         _, two_i, h = self.gate_up_proj.shape
         return {"gate_up_proj": (h, two_i), "down_proj": (two_i // 2, h)}
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The gated activation between the two projections, each row times ``scale`` (its routing
-        weight; the down projection is linear, so scaling its input is scaling its output)."""
-        return silu_mul(gate, up, scale)
+    def activation(self, gate_up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated activation between the two projections, of the gate_up product (``[rows, 2·I]``,
+        gate first), each row times ``scale`` (its routing weight; the down projection is linear,
+        so scaling its input is scaling its output)."""
+        return silu_mul_packed(gate_up, scale)
 
     def forward(self, x: torch.Tensor, routing: Routing, lora: LoraRoute | None) -> torch.Tensor:
         if self.dispatch is not None:
@@ -319,9 +320,9 @@ class Experts(nn.Module):
         gate_up_w, down_w = self.gate_up_proj, self.down_proj
         if self.rollout is not None and self.rollout.active:
             gate_up_w, down_w = self.rollout.gate_up_proj, self.rollout.down_proj
-        gate, up = project(x, rows, gate_up_w, "gate_up_proj").chunk(2, dim=-1)
+        gate_up = project(x, rows, gate_up_w, "gate_up_proj")
         # the routing weight scales the down projection's input rows (same result: it is linear)
-        return project(self.activation(gate, up, weight), None, down_w, "down_proj", split)
+        return project(self.activation(gate_up, weight), None, down_w, "down_proj", split)
 
     def combine(self, x: torch.Tensor, token: torch.Tensor, out: torch.Tensor,
                 inverse: torch.Tensor | None = None, correction: torch.Tensor | None = None) -> torch.Tensor:

@@ -111,9 +111,12 @@ class _ExpertProjection(torch.autograd.Function):
 
     ``y = xs @ W[e].T + (s_row · xs @ A[g].T) @ B[g].T`` where ``xs = x[rows]`` (the gathered input
     rows), ``e`` the expert of a row and ``g`` its LoRA group. The gathered ``[T·k, H]`` rows are
-    NOT kept: backward gathers them again from ``x``. That, and folding the routing weights into
-    the activation (:meth:`Experts.activation`), keeps an MoE layer's saved activations near
-    ``[T·k, 3·I]`` instead of ``[T·k, 2·H + 3·I]``.
+    NOT kept: backward gathers them again from ``x``. That, folding the routing weights into the
+    activation (:meth:`Experts.activation`) and rebuilding the activation's output
+    (:mod:`ember.core.rebuild`) keep an MoE layer's saved activations near ``[T·k, 2·I]`` instead of
+    ``[T·k, 2·H + 3·I]``. With ``split`` the base product and the correction come back apart (the
+    combine sums both in one pass), and the backward sums the input's two gradients into ``x``'s
+    rows in one pass too.
     """
 
     @staticmethod

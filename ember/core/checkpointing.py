@@ -290,8 +290,8 @@ def apply_checkpointing(model: CausalLM) -> LayerCheckpointing:
 #   stream and the norms their sublayers' outputs); under hyper-connections (qwen4_exp) about 8
 #   per stream (the mixing in fp32 and the LoRA products' inputs);
 # * attention: the q/k norms' inputs (or the rotated q and k where there are none), v and the
-#   output; gated attention also the output gate (q_proj twice as wide, one storage with q), its
-#   sigmoid and the gated output. MLA: q and k per head, the values (padded to the q/k head size
+#   output; gated attention's q_proj is twice as wide (the output gate: one storage with q; the
+#   gated output is rebuilt). MLA: q and k per head, the values (padded to the q/k head size
 #   for flash attention when narrower, else the kv_b_proj output they are a view of), the output
 #   and the two latent norms' inputs. Gated DeltaNet: about 15 times its q/k/v/z width (Ember's
 #   PyTorch rule; fla's kernels on CUDA keep about a third of that). Inkling2's relative attention
@@ -302,8 +302,8 @@ def apply_checkpointing(model: CausalLM) -> LayerCheckpointing:
 # MLP, on the CPU, attention keeping what flash attention keeps; per deep layer, measured /
 # estimated KB): Qwen3-8B 86.8 / 86.0, Olmo3-7B 110.2 / 109.6, Qwen3-30B-A3B 53.5 / 51.2,
 # GLM-4.7-Flash dense 101.3 / 100.4 and MoE 91.8 / 90.1, DeepSeek-V3 dense 304.3 / 303.1 and MoE
-# 305.6 / 303.1, Qwen3-Next-80B-A3B GDN 406.7 / 403.5 and gated attention 80.4 / 77.8,
-# Qwen3.8-Flash-Next GDN 767.6 / 688.6 and QSA attention 285.1 / 260.6 (the hyper-connections
+# 305.6 / 303.1, Qwen3-Next-80B-A3B GDN 406.7 / 403.5 and gated attention 64.0 / 61.4,
+# Qwen3.8-Flash-Next GDN 767.6 / 688.6 and QSA attention 260.5 / 236.0 (the hyper-connections
 # eager) (tests/unit/test_activation_checkpointing.py). The engine scales the estimate by what its
 # own passes kept (Worker._kept_scale), which covers the GPU kernels' differences.
 RESIDUAL_TENSORS = 2
@@ -343,7 +343,7 @@ def layer_elements(model: CausalLM) -> list[int]:
         elif gdn is not None:
             mixer = GDN_FACTOR * 2 * (gdn.shape.key_dim + gdn.shape.value_dim)
         elif any(isinstance(m, GatedAttention) for m in mods):
-            mixer = 5 * q + 2 * kv
+            mixer = 3 * q + 2 * kv
         else:
             mixer = 2 * q + 2 * kv
         experts = next((m for m in mods if isinstance(m, Experts)), None)

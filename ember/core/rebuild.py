@@ -146,8 +146,8 @@ def rebuildable(out: torch.Tensor, fn: Callable[..., torch.Tensor], *args, chain
     if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return out
     key = _storage_key(out)
-    if key is None or not _whole_storage(out):
-        return out
+    if key is None or out.numel() == 0 or not _whole_storage(out):
+        return out  # (empty tensors share addresses)
     args = tuple((_declared(a) or a) if isinstance(a, torch.Tensor) else a for a in args)
     if chained and not any(isinstance(a, _Saved) for a in args):
         return out

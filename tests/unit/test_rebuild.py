@@ -13,7 +13,14 @@ from ember.core import rebuild
 from ember.core.layers.activations import silu_mul
 from ember.core.layers.norms import rms_norm
 from ember.core.layers.rope import apply_rope
-from tests.unit.test_activation_checkpointing import _requests, _step, _worker, assert_same_pass, model_dirs  # noqa: F401
+from tests.unit.test_activation_checkpointing import (  # noqa: F401
+    FAMILIES,
+    _requests,
+    _step,
+    _worker,
+    assert_same_pass,
+    model_dirs,
+)
 
 
 @pytest.fixture
@@ -29,7 +36,7 @@ def baseline():
     return Off
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_next", "olmo3", "deepseek_v3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_pass_with_rebuilt_activations_equals_the_plain_one(family, model_dirs, baseline):  # noqa: F811
     worker = _worker(model_dirs[family])
     requests = _requests(worker.config.vocab_size)
@@ -134,3 +141,21 @@ def test_a_rebuild_of_another_layout_is_refused():
         out = _lora_like(y, A).sum()
     with pytest.raises(RuntimeError, match="differs in layout"):
         out.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_lean_sigmoid_gate_is_autograds_formula_bit_for_bit(dtype, wide):
+    """sigmoid_gate keeps o and gate only, yet gives exactly what autograd of the formula gives."""
+    from ember.core.layers.activations import _gate_formula, sigmoid_gate
+
+    g = torch.Generator().manual_seed(0)
+    o0, gate0, dy = (torch.randn(9, 40, generator=g).to(dtype) for _ in range(3))
+    outs = []
+    for fn in (lambda o, z: _gate_formula(o, z, wide), lambda o, z: sigmoid_gate(o, z, wide)):
+        o, gate = o0.clone().requires_grad_(), gate0.clone().requires_grad_()
+        y = fn(o, gate)
+        y.backward(dy)
+        outs.append((y, o.grad, gate.grad))
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -76,3 +76,40 @@ def silu_mul_packed(gate_up: torch.Tensor, scale: torch.Tensor | None = None) ->
     :func:`silu_mul` would copy them into one in the backward)."""
     fn = fused.SiluMulPackedFn.apply if fused.use_triton(gate_up) else _SiluMulPacked.apply
     return rebuildable(fn(gate_up, scale), fn, gate_up, scale)
+
+
+def _gate_formula(o: torch.Tensor, gate: torch.Tensor, wide: bool) -> torch.Tensor:
+    if not wide:
+        return o * torch.sigmoid(gate)
+    f = torch.promote_types(o.dtype, torch.float32)
+    return (o.to(f) * torch.sigmoid(gate.to(f))).to(o.dtype)
+
+
+class _SigmoidGate(torch.autograd.Function):
+    """:func:`sigmoid_gate`, keeping ``o`` and ``gate`` (where autograd of the formula keeps
+    ``σ(gate)`` too, and fp32 copies of both with ``wide``). The backward runs autograd's own ops
+    of the formula on them, σ again: bit for bit autograd's gradients."""
+
+    @staticmethod
+    def forward(ctx, o, gate, wide: bool):
+        ctx.save_for_backward(o, gate)
+        ctx.wide = wide
+        return _gate_formula(o, gate, wide)
+
+    @staticmethod
+    def backward(ctx, g):
+        o, gate = ctx.saved_tensors
+        if not ctx.wide:
+            s = torch.sigmoid(gate)
+            return g * s, torch.ops.aten.sigmoid_backward(g * o, s), None
+        f = torch.promote_types(o.dtype, torch.float32)
+        s, gf = torch.sigmoid(gate.to(f)), g.to(f)
+        return (gf * s).to(o.dtype), torch.ops.aten.sigmoid_backward(gf * o.to(f), s).to(gate.dtype), None
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """An output gate ``o · σ(gate)``: in the inputs' dtype (Qwen3-Next's gated attention), or with
+    ``wide`` in fp32, rounded once (Inkling-2's). Keeps only ``o`` and ``gate`` (the attention's
+    output and a projection's, which their producers keep), and its output is made again for
+    whoever saves it (the output projection: ember.core.rebuild)."""
+    return rebuildable(_SigmoidGate.apply(o, gate, wide), _SigmoidGate.apply, o, gate, wide)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ember.core.config import AttentionSpec, ModelConfig
+from ember.core.layers.activations import sigmoid_gate
 from ember.core.layers.lora import LoraLinear
 from ember.core.layers.norms import RMSNorm
 from ember.core.layers.qsa import QSAIndexer, selected_attention
@@ -63,5 +64,5 @@ class GatedAttention(nn.Module):
                 f"layer {self.layer}: a decoding pass beyond the QSA dense threshold needs an attend that "
                 "takes the block selection (attend.accepts_selection = True, keyword 'selection')"
             )
-        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        o = sigmoid_gate(o, gate).reshape(T, -1)  # per head: no copy of the gate's strided view
         return self.o_proj(o, ctx.lora)

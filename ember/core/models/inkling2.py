@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import ModelConfig
+from ember.core.layers.activations import sigmoid_gate
 from ember.core.layers.attn_residuals import BlockAttentionResidual, ResidualBank
 from ember.core.layers.capped_glu import CappedGLUExperts
 from ember.core.layers.lora import LoraLinear, LoraRoute
@@ -266,7 +267,7 @@ class Inkling2Attention(nn.Module):
             r = (r.float() * run.log_scale).to(r.dtype)
         profiles = self.rel_logits_proj(r)  # [T, heads, R]
         o = run.attend(self.layer, q, k, v, profiles, sinks, self.spec, self.scale).reshape(T, -1)
-        o = (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
+        o = sigmoid_gate(o, gate, wide=True)
         return self.o_proj(o, lora)
 
 

@@ -311,6 +311,7 @@ def check_fused_kernels() -> None:
         outs[name] = (y, xz.grad.clone())
         xz.grad = None
         ms = event_time_ms(lambda fn=fn: fn().backward(g3), 3, 10)
+        xz.grad = None  # the timed calls' gradients
         print(f"gated norm {name}: forward + backward {ms:.3f} ms")
     report("triton gated norm y", rel(outs["kernel"][0], outs["eager"][0]), 1e-2)
     report("triton gated norm dx, dgate", rel(outs["kernel"][1], outs["eager"][1]), 1e-2)

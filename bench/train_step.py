@@ -361,12 +361,18 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2, help="ember-par: processes (GPUs) of the engine")
     ap.add_argument("--ep", type=int, default=1, help="ember-par: expert-parallel degree (divides --nproc)")
     ap.add_argument("--tp", type=int, default=1, help="ember-par: tensor-parallel degree (divides --nproc)")
+    ap.add_argument("--no-rebuild", action="store_true",
+                    help="keep every saved activation (ember.core.rebuild off): the baseline of its cost")
     ap.add_argument("--full", action="store_true", help="full fine-tuning configurations (see the module doc)")
     ap.add_argument("--offload-dir", default="/tmp/ember-optimizer", help="full-disk: the folder of its files")
     args = ap.parse_args()
     if args.full and args.only == ap.get_default("only"):
         args.only = "full-none,full-host,torch-full"
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.no_rebuild:
+        from ember.core import rebuild
+
+        rebuild.enabled = False
     hf_cfg = SHAPES[args.shape]
     torch.manual_seed(0)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}")

@@ -321,9 +321,10 @@ def _mla_elements(mla) -> int:
     return 2 * n * qk + values + n * max(v, qk) + (mla.q_lora_rank or 0) + mla.kv_lora_rank
 
 
-def layer_elements(model: CausalLM) -> list[int]:
+def layer_elements(model: CausalLM, rebuilt: bool = True) -> list[int]:
     """The estimate above for each decoder layer of ``model`` (elements per token, whole widths:
-    the model's config, not this rank's shards)."""
+    the model's config, not this rank's shards); without ``rebuilt``, plus what rebuilding saves
+    (a pass that keeps every saved activation: :mod:`ember.core.rebuild` off)."""
     cfg = model.config
     H = cfg.hidden_size
     streams = int(getattr(model.model, "streams", 1))  # qwen4_exp's hyper-connection streams
@@ -338,14 +339,21 @@ def layer_elements(model: CausalLM) -> list[int]:
         mods = list(layer.modules())
         gdn = next((m for m in mods if isinstance(m, GatedDeltaNet)), None)
         mla = next((m.cfg for m in mods if isinstance(m, MultiHeadLatentAttention)), None)
+        # what rebuilding saves: the sublayers' normed inputs (pre-norm), the rotated q and k of
+        # q/k norms, a gated output, the latent and gated norms' outputs, the activation outputs
+        saved = 2 * H if streams == 1 and not getattr(layer, "post_norm", False) else 0
         if mla is not None:
             mixer = _mla_elements(mla)
+            saved += (mla.q_lora_rank or 0) + mla.kv_lora_rank
         elif gdn is not None:
             mixer = GDN_FACTOR * 2 * (gdn.shape.key_dim + gdn.shape.value_dim)
+            saved += gdn.shape.value_dim
         elif any(isinstance(m, GatedAttention) for m in mods):
             mixer = 3 * q + 2 * kv
+            saved += 2 * q + kv
         else:
             mixer = 2 * q + 2 * kv
+            saved += q + kv if any(hasattr(m, "q_norm") for m in mods) else 0
         experts = next((m for m in mods if isinstance(m, Experts)), None)
         has_mlp = any(isinstance(m, SwiGLU) for m in mods)
         if experts is not None:
@@ -355,23 +363,26 @@ def layer_elements(model: CausalLM) -> list[int]:
             shared = moe.shared_intermediate_size if moe is not None and has_mlp else 0
             gated = any(isinstance(m, SharedExpertMoE) for m in mods)
             mlp = k * 2 * inter + 2 * shared + (H if gated else 0)
+            saved += k * inter + shared
         else:
             mlp = 2 * cfg.intermediate_size if has_mlp else 0
-        out.append(residual + mixer + mlp)
+            saved += cfg.intermediate_size if has_mlp else 0
+        out.append(residual + mixer + mlp + (0 if rebuilt else saved))
     return out
 
 
 def kept_bytes(model: CausalLM, tokens: int, checkpointed: Iterable[int] = (), dtype_bytes: int | None = None,
-               tp: int = 1) -> int:
+               tp: int = 1, rebuilt: bool = True) -> int:
     """Estimated activation memory a training forward of ``tokens`` tokens keeps (bytes) when the
     layers ``checkpointed`` are checkpointed (each keeps only its input: one hidden size per
     token, one per stream under hyper-connections): ``tokens ×`` :func:`layer_elements` in the
-    model's dtype, divided by ``tp`` (tensor and sequence parallelism split every part of it)."""
+    model's dtype, divided by ``tp`` (tensor and sequence parallelism split every part of it);
+    ``rebuilt``: with :mod:`ember.core.rebuild` on."""
     if dtype_bytes is None:
         dtype_bytes = model.model.embed_tokens.weight.element_size()
     ckpt = set(checkpointed)
     kept_input = model.config.hidden_size * int(getattr(model.model, "streams", 1))
-    elements = sum(kept_input if i in ckpt else e for i, e in enumerate(layer_elements(model)))
+    elements = sum(kept_input if i in ckpt else e for i, e in enumerate(layer_elements(model, rebuilt)))
     return int(tokens * elements * dtype_bytes / max(tp, 1))
 
 

@@ -113,12 +113,13 @@ def _unpack(saved):
 
 
 @contextmanager
-def rebuilding() -> Iterator[None]:
-    """Within: tensors declared :func:`rebuildable` are saved for backward as their recipes. Enter
-    it around a training forward only (not its backward), one at a time in a process (the worker
-    runs its passes one after another); an inner entry is part of the outer one."""
+def rebuilding(on: bool = True) -> Iterator[None]:
+    """Within: tensors declared :func:`rebuildable` are saved for backward as their recipes
+    (``on`` False: nothing happens; the engine's memory policy decides per pass). Enter it around a
+    training forward only (not its backward), one at a time in a process (the worker runs its
+    passes one after another); an inner entry is part of the outer one."""
     global _entries
-    if _entries is not None:
+    if _entries is not None or not on:
         yield
         return
     _entries = {}

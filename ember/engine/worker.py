@@ -141,6 +141,9 @@ class Worker:
         self.activation_checkpointing = activation_checkpointing
         self.checkpointing = apply_checkpointing(model) if activation_checkpointing != "off" else None
         self._auto_on = False  # the last auto decision (logged when it turns on)
+        # whether passes rebuild norm and activation outputs in the backward (ember.core.rebuild):
+        # always, except that auto on CUDA keeps them where the pass fits (_checkpoint_pass)
+        self._rebuild = True
         # what training forwards kept against their estimate (CUDA; None: none measured yet)
         self._kept_scale: float | None = None
         # full fine-tuning runs (rank 0) and their samplers, under negative slots (ember.engine.full_runs)
@@ -517,15 +520,16 @@ class Worker:
                 raise
             lp = None  # retried below, once the exception (and the tensors its frames hold) is gone
         if lp is None:
-            estimate = max(kept_bytes(self.model, tokens), 1)
+            estimate = max(kept_bytes(self.model, tokens, rebuilt=self._rebuild), 1)
             self._kept_scale = max(self._kept_scale or 1.0, available_bytes(self.device) / estimate)
+            self._rebuild = True
             log.warning("activation checkpointing on: the pass ran out of memory without it; running it again",
                         extra={"tokens": tokens})
             self._auto_on = True
             with _checkpointing(weights, True):
                 return self.logprobs(batch, targets, inv, routing, weights)
         if measure:
-            estimate = kept_bytes(self.model, tokens, on or (), tp=self._tp())
+            estimate = kept_bytes(self.model, tokens, on or (), tp=self._tp(), rebuilt=self._rebuild)
             if estimate > 0:
                 ratio = (torch.cuda.memory_allocated(self.device) - before) / estimate
                 self._kept_scale = ratio if self._kept_scale is None else max(self._kept_scale, ratio)
@@ -542,6 +546,7 @@ class Worker:
         (none), ``True`` (all) or the indices of some."""
         weights = weights or self._weights(0)
         mode = self.activation_checkpointing
+        self._rebuild = True
         if mode == "off" or not torch.is_grad_enabled():
             return False
         if mode == "on":
@@ -553,14 +558,19 @@ class Worker:
         scale = 1.0 if self._kept_scale is None else self._kept_scale
         if parallel is not None and parallel.world > 1:
             scale = max(scale, 1.0)  # ranks cannot retry a pass that runs out of memory: never below the estimate
-        need = int(kept_bytes(self.model, tokens, tp=tp) * scale) + HEAD_BYTES
+        fixed = HEAD_BYTES
         trained = [self.bank.get(s).flat for s in {s for s, trains in keys if s and trains}]
         if weights.model is not self.model and any(trains for _, trains in keys):  # a full fine-tuning run
             trained = [p for p in weights.model.parameters() if p.requires_grad]
         for p in trained:  # gradients the backward allocates
             if p.grad is None:
-                need += p.numel() * p.element_size()
+                fixed += p.numel() * p.element_size()
         available = available_bytes(self.device)
+        # a pass that fits keeps its norm and activation outputs (rebuilding them costs ~3 % of a
+        # Qwen3-8B step on an H100); one that does not rebuilds them first, then checkpoints layers
+        if int(kept_bytes(self.model, tokens, tp=tp, rebuilt=False) * scale) + fixed <= AUTO_FRACTION * available:
+            self._rebuild = False
+        need = int(kept_bytes(self.model, tokens, tp=tp) * scale) + fixed
         layers = layers_to_checkpoint(self.model, need - int(AUTO_FRACTION * available), tokens, tp=tp, scale=scale)
         if parallel is not None and parallel.world > 1:  # every rank must checkpoint the same layers
             layers = agreed_layers(self.model, layers, self.device)
@@ -615,7 +625,7 @@ class Worker:
             seq_lens=batch.doc_lengths,
             routing=routing,
         )
-        with rebuilding():  # norm and activation outputs saved as recipes (ember.core.rebuild)
+        with rebuilding(self._rebuild):  # norm and activation outputs saved as recipes (ember.core.rebuild)
             hidden = model.hidden_states(batch.input_ids, ctx)
             return token_logprobs(
                 hidden,

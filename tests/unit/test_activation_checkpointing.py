@@ -359,7 +359,7 @@ def test_auto_retries_a_forward_that_ran_out_of_memory(model_dirs, monkeypatch, 
     monkeypatch.setattr(worker, "logprobs", logprobs)
     monkeypatch.setattr(worker_mod, "available_bytes", lambda device: 40 << 20)
     # an estimate of 500 bytes per token however many layers are checkpointed, no head
-    monkeypatch.setattr(worker_mod, "kept_bytes", lambda model, tokens, checkpointed=(), tp=1: 500 * tokens)
+    monkeypatch.setattr(worker_mod, "kept_bytes", lambda model, tokens, checkpointed=(), tp=1, rebuilt=True: 500 * tokens)
     monkeypatch.setattr(worker_mod, "HEAD_BYTES", 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
     worker.device = torch.device("cuda")
@@ -503,3 +503,34 @@ def test_auto_on_cuda_picks_a_subset_when_a_few_layers_suffice(model_dirs):
     some = decisions["a little over"]
     assert isinstance(some, frozenset) and 0 < len(some) < layers, some
     assert some == set(checkpoint_order(worker.model)[: len(some)])
+
+
+def test_auto_rebuilds_only_a_pass_that_would_not_fit_and_checkpoints_past_that(model_dirs, monkeypatch):
+    """``auto`` on CUDA (faked): a pass that fits keeps its norm and activation outputs; one that
+    fits only with them rebuilt (ember.core.rebuild) rebuilds them and checkpoints nothing; one
+    that does not fit even so rebuilds and checkpoints layers. Other modes always rebuild."""
+    import ember.engine.worker as worker_mod
+    from ember.core.checkpointing import HEAD_BYTES, kept_bytes
+
+    worker = Worker.from_pretrained(model_dirs["qwen3"], "cpu", torch.float32)
+    slot = worker.create_adapter(CONFIGS[0])
+    keys, tokens = [(slot, True)], 4096
+    grads = worker.adapter(slot).flat.numel() * 4
+    plain = kept_bytes(worker.model, tokens, rebuilt=False) + HEAD_BYTES + grads
+    rebuilt = kept_bytes(worker.model, tokens) + HEAD_BYTES + grads
+    assert rebuilt < plain
+    worker.device = torch.device("cuda")
+    free = [0]
+    monkeypatch.setattr(worker_mod, "available_bytes", lambda device: free[0])
+    try:
+        with torch.enable_grad():
+            for room, rebuild, checkpoints in ((plain, False, False), ((plain + rebuilt) // 2, True, False),
+                                               (rebuilt // 2, True, True)):
+                free[0] = int(room / worker_mod.AUTO_FRACTION) + 1
+                on = worker._checkpoint_pass(tokens, keys)
+                assert worker._rebuild is rebuild and bool(on) is checkpoints, (room, rebuild, checkpoints)
+            worker.activation_checkpointing = "off"
+            worker._checkpoint_pass(tokens, keys)
+            assert worker._rebuild
+    finally:
+        worker.device = torch.device("cpu")

@@ -80,18 +80,26 @@ if HAVE_TRITON:
         return g * s, s * (1.0 + g * (1.0 - s))
 
     @triton.jit
+    def _row_tile(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's ROWS rows of n_cols columns: rows, columns, row mask, tile mask, int64 rows."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        rmask = rows < n_rows
+        return rows, cols, rmask, rmask[:, None] & (cols[None, :] < n_cols), rows.to(tl.int64)[:, None]
+
+    @triton.jit
+    def _load_tile(P, r64, stride, cols, mask):
+        return tl.load(P + r64 * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gated_rmsnorm_fwd(X, G, W, Y, RSTD, n_rows, stride_x, stride_g, stride_y, n_cols, eps,
                            SIGMOID: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         # ROWS rows of n_cols (a head's width) per program; the reference's order: normalise in fp32,
         # round to the input dtype, scale by w (rounded: a product in that dtype), then times the
         # gate's activation in fp32, rounded once more
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
-        rmask = rows < n_rows
-        mask = rmask[:, None] & (cols[None, :] < n_cols)
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, cols, rmask, mask, r64 = _row_tile(n_rows, n_cols, ROWS, BLOCK)
+        x = _load_tile(X, r64, stride_x, cols, mask)
+        g = _load_tile(G, r64, stride_g, cols, mask)
         w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         xhat = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
@@ -103,14 +111,10 @@ if HAVE_TRITON:
     @triton.jit
     def _gated_rmsnorm_bwd(X, G, W, DY, DX, DG, RSTD, n_rows, stride_x, stride_g, stride_dy, stride_dx, stride_dg,
                            n_cols, SIGMOID: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
-        rmask = rows < n_rows
-        mask = rmask[:, None] & (cols[None, :] < n_cols)
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, cols, rmask, mask, r64 = _row_tile(n_rows, n_cols, ROWS, BLOCK)
+        x = _load_tile(X, r64, stride_x, cols, mask)
+        g = _load_tile(G, r64, stride_g, cols, mask)
+        dy = _load_tile(DY, r64, stride_dy, cols, mask)
         w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         xhat = x * rstd[:, None]

@@ -337,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--activation-checkpointing", default="auto", choices=CHECKPOINTING_MODES,
                        help="recompute each decoder layer's activations in the backward instead of keeping them, "
                        "for training passes (never sampling or forward-only ones): on (every layer), off, or auto: "
-                       "in a pass whose estimated activations would not fit in the free GPU memory, the fewest "
-                       "layers that make up the difference; off on the CPU (default auto)")
+                       "in a pass whose estimated activations would not fit in the free GPU memory, first rebuild "
+                       "norm and activation outputs in the backward, then checkpoint the fewest layers that make up "
+                       "what is still missing; off on the CPU (default auto)")
     serve.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                        help="precision of the sampler's copy of the base attention/MLP projections and routed "
                        "experts (not embeddings, norms, routers or the LM head): bf16 (the model's own weights), "

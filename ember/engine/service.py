@@ -728,7 +728,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--activation-checkpointing", default="auto", choices=CHECKPOINTING_MODES,
                     help="recompute each decoder layer's activations in backward (training passes only): on, "
                     "off, or auto (the default): in a pass whose estimated activations would not fit in the free "
-                    "device memory, the fewest layers that make up the difference (CUDA; off elsewhere)")
+                    "device memory, first rebuild norm and activation outputs in the backward, then checkpoint the "
+                    "fewest layers that make up what is still missing (CUDA; off elsewhere)")
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                     help="the sampler's copy of the base projections and routed experts: bf16 (the model's own "
                     "weights), fp8 (e4m3, 128x128 block scales) or mxfp8 (OCP MX, 32-element E8M0 blocks); "

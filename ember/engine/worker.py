@@ -13,7 +13,9 @@ on CUDA, when the pass's estimated activation memory
 (:func:`~ember.core.checkpointing.activation_bytes`, from the pass's tokens and the model's
 shape, scaled by what earlier passes kept against their estimate) plus the gradients the
 backward is yet to allocate exceed :data:`AUTO_FRACTION` of the memory still available on the
-device, it checkpoints the fewest layers that make up the difference
+device, it first rebuilds the pass's norm and activation outputs in the backward
+(:mod:`ember.core.rebuild`; a pass that fits keeps them: rebuilding costs a few percent), and
+when even the rebuilt estimate exceeds it, it checkpoints the fewest layers that make up the difference
 (:func:`~ember.core.checkpointing.layers_to_checkpoint`: the layers that keep the most first;
 the rest keep their activations and are not recomputed), and runs a forward that ran out of
 memory again with every layer checkpointed (one process only); on other devices it is off. A
@@ -543,7 +545,8 @@ class Worker:
     def _checkpoint_pass(self, tokens: int, keys: list, weights: Weights | None = None) -> bool | frozenset[int]:
         """Which layers this pass (``tokens`` tokens of ``keys``' (slot, trains) sequences, on
         ``weights``, default the base model's) checkpoints (the module doc's rule): ``False``
-        (none), ``True`` (all) or the indices of some."""
+        (none), ``True`` (all) or the indices of some. Sets :attr:`_rebuild` for the pass: False
+        only where ``auto`` on CUDA finds that the pass fits without rebuilding."""
         weights = weights or self._weights(0)
         mode = self.activation_checkpointing
         self._rebuild = True

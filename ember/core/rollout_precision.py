@@ -14,15 +14,17 @@ Formats (:mod:`ember.core.quant`):
 
 * ``fp8``: float8 e4m3 with one fp32 ``scale_inv = amax / 448`` per 128 × 128 tile (DeepSeek-V3).
   On a CUDA device of compute capability 9.x, a linear stores only the e4m3 data and tile scales
-  (half the bf16 bytes) and multiplies with ``torch.nn.functional.scaled_mm`` (activations quantised
-  per 1 × 128 block, DeepSeek's W8A8 recipe), after a self-check against the dequantised product at
-  :func:`attach`; when the check or a call fails, or a shape does not fit (``K``/``N`` not multiples of
-  128), the data is dequantised for that product instead. On an H200 (torch 2.11) the product is
-  within 2.6 % of the dequantised one. The activations are quantised in one Triton launch
-  (:mod:`ember.core.kernels.fp8_quant`, bitwise the PyTorch version); at decode shapes (M = 64) the
-  product's GPU time is still 1.2-2x bf16's, as ``scaled_mm`` alone is, and eagerly its host
-  launches dominate (``bench/fp8_act_quant.py``). Elsewhere (CPU, other GPUs) fp8 is
-  quantise-dequantise (QDQ), as below.
+  (half the bf16 bytes) and multiplies in W8A8 (activations quantised per 1 × 128 block,
+  DeepSeek's recipe): up to :data:`~ember.core.kernels.fp8_gemm.SMALL_M` rows (decode) with the
+  Triton kernel of :mod:`ember.core.kernels.fp8_gemm`, shaped to stream the weights, above that
+  with ``torch.nn.functional.scaled_mm``, whose blockwise kernel was slower than bf16 at decode
+  shapes (``bench/fp8_act_quant.py``). Both are self-checked against the dequantised product at
+  :func:`attach`; a path whose check or call fails is turned off (the kernel's for scaled_mm's,
+  scaled_mm's for dequantising), as is the fp8 copy of a shape that does not fit (``K``/``N`` not
+  multiples of 128). On an H200 (torch 2.11) the scaled_mm product is within 2.6 % of the
+  dequantised one. The activations are quantised in one Triton launch
+  (:mod:`ember.core.kernels.fp8_quant`, bitwise the PyTorch version). Elsewhere (CPU, other GPUs)
+  fp8 is quantise-dequantise (QDQ), as below.
 * ``mxfp8``: OCP MX (e4m3 elements, one E8M0 power-of-two scale per 32 along ``K``), always
   quantise-dequantise (no MX tensor cores assumed).
 
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core import quant
-from ember.core.kernels import fp8_quant
+from ember.core.kernels import fp8_gemm, fp8_quant
 from ember.core.layers.lora import LoraLinear, LoraRoute
 from ember.core.layers.moe import Experts
 
@@ -149,6 +151,27 @@ def _scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, ou
                        ST.BlockWise128x128, output_dtype=out_dtype)
 
 
+_FP8_GEMM_OK: dict[torch.device, bool] = {}
+
+
+def _fp8_product(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ dequant(q, scale_inv).T`` in W8A8: the Triton kernel up to ``fp8_gemm.SMALL_M`` rows
+    (decode), ``scaled_mm`` above (and where the kernel's self-check or a call failed)."""
+    if x.shape[0] <= fp8_gemm.SMALL_M and _FP8_GEMM_OK.get(x.device, True) and fp8_gemm.available(x):
+        try:
+            xq, xs = _quantize_act(x)
+            return fp8_gemm.fp8_linear(xq, xs, q, scale_inv, out_dtype)
+        except Exception as e:  # noqa: BLE001 - a GPU-only path: fall back to scaled_mm
+            _fp8_gemm_failed(x.device, e)
+    return _scaled_mm_fp8(x, q, scale_inv, out_dtype)
+
+
+def _fp8_gemm_failed(device: torch.device, err: Exception | str) -> None:
+    if _FP8_GEMM_OK.get(device, True):
+        log.warning("Triton fp8 decode product unavailable; using scaled_mm at every row count: %s", err)
+    _FP8_GEMM_OK[device] = False
+
+
 class RolloutLinear:
     """The rollout copy of one :class:`LoraLinear`'s weight (see module doc)."""
 
@@ -197,7 +220,7 @@ class RolloutLinear:
         """``module.product`` with the rollout copy as the base weight."""
         if self.scaled and x.dim() == 2 and x.shape[0]:
             try:
-                y = _scaled_mm_fp8(x, self.q, self.scale_inv, x.dtype)
+                y = _fp8_product(x, self.q, self.scale_inv, x.dtype)
             except Exception as e:  # noqa: BLE001 - a GPU-only path: fall back to dequantising
                 _scaled_mm_failed(x.device, e)
                 self.scaled_failed()
@@ -244,19 +267,24 @@ def _add_lora(lora, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
 
 
 def _self_check(module: LoraLinear, copy: RolloutLinear) -> None:
-    """Compare one scaled_mm product with the dequantised one; turn the path off on a mismatch
-    (a wrong scale layout would otherwise give silently wrong rollouts)."""
+    """Compare one product of each fp8 path (scaled_mm, the Triton decode kernel) with the
+    dequantised one; turn a path off on a mismatch (a wrong scale layout would otherwise give
+    silently wrong rollouts)."""
     x = torch.randn(16, module.weight.shape[1], device=module.weight.device, dtype=module.weight.dtype)
+    want = x.float() @ quant.dequant_fp8_block(copy.q, copy.scale_inv).t()
+    paths = [(_scaled_mm_fp8, _scaled_mm_failed)]
+    if fp8_gemm.available(x) and _FP8_GEMM_OK.get(x.device, True):
+        paths.append((lambda x, q, s, dt: fp8_gemm.fp8_linear(*_quantize_act(x), q, s, dt), _fp8_gemm_failed))
     with torch.no_grad():
-        try:
-            got = _scaled_mm_fp8(x, copy.q, copy.scale_inv, torch.float32)
-        except Exception as e:  # noqa: BLE001
-            _scaled_mm_failed(x.device, e)
-            return
-        want = x.float() @ quant.dequant_fp8_block(copy.q, copy.scale_inv).t()
-        rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
-        if not rel < 0.1:  # activation quantisation alone: ~2-3 % relative error
-            _scaled_mm_failed(x.device, f"self-check relative error {rel:.3g}")
+        for product, failed in paths:
+            try:
+                got = product(x, copy.q, copy.scale_inv, torch.float32)
+            except Exception as e:  # noqa: BLE001
+                failed(x.device, e)
+                continue
+            rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+            if not rel < 0.1:  # activation quantisation alone: ~2-3 % relative error
+                failed(x.device, f"self-check relative error {rel:.3g}")
 
 
 class RolloutExperts:

@@ -34,9 +34,10 @@ always kept as a QDQ copy, also under fp8 on CUDA). Under full fine-tuning the c
 trainer: a weight whose storage or version counter changed is quantised again when :func:`sampling`
 is entered.
 
-The static CUDA-graph decoder (:mod:`ember.core.sampling.graphs`) decodes with the copies too: a
-module's product goes through its copy, then the decoder's route adds the LoRA delta (the packed
-q/k/v and gate/up GEMMs of bf16 are then one product per module). A copy quantised again bumps
+The static CUDA-graph decoder (:mod:`ember.core.sampling.graphs`) decodes with the copies too, and
+as it packs the bf16 weights of q/k/v and gate/up into one GEMM per group, it multiplies their
+copies laid side by side in one product (:func:`group_product`; the members' copies become views
+of the group's tensors), then its route adds the LoRA delta. A copy quantised again bumps
 :func:`version`, and the decoder captures its graphs anew.
 """
 
@@ -52,7 +53,7 @@ from torch import nn
 
 from ember.core import quant
 from ember.core.kernels import fp8_gemm, fp8_quant
-from ember.core.layers.lora import LoraLinear, LoraRoute
+from ember.core.layers.lora import LoraLinear, LoraRoute, side_by_side
 from ember.core.layers.moe import Experts
 
 log = logging.getLogger("ember.rollout_precision")
@@ -217,7 +218,11 @@ class RolloutLinear:
         return quant.dequant_fp8_block(self.q, self.scale_inv).to(dtype)
 
     def product(self, module: LoraLinear, x: torch.Tensor, lora: LoraRoute | None, bias: torch.Tensor | None):
-        """``module.product`` with the rollout copy as the base weight."""
+        """``module.product`` with the rollout copy as the base weight. A route that multiplies
+        ``module``'s shared-input group at once (the static decoder's) takes the product over:
+        it calls :func:`group_product`."""
+        if lora is not None and getattr(lora, "packs", None) is not None and lora.packs(module, x):
+            return lora.linear(module.lora_name, x, module.weight, bias)
         if self.scaled and x.dim() == 2 and x.shape[0]:
             try:
                 y = _fp8_product(x, self.q, self.scale_inv, x.dtype)
@@ -239,6 +244,43 @@ class RolloutLinear:
             self.data = quant.dequant_fp8_block(self.q, self.scale_inv).to(self.dtype)
             self.q = self.scale_inv = None
             self.scaled = False
+
+
+def group_product(members: list[LoraLinear], x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` times the rollout copies of a shared-input group's ``members`` (q/k/v, gate/up: one
+    input), laid side by side along ``N`` as the static decoder lays their weights, in one product:
+    ``[..., sum of outs]``. Packing makes each copy's tensors views of the group's (the first call
+    copies, later ones find them packed); a copy quantised again is packed again on its next use."""
+    copies = [m.rollout for m in members]
+    if len({c.scaled for c in copies}) != 1:  # one scaled_mm copy turned off by a failure: per member
+        y = torch.cat([c.product(m, x, None, None) for m, c in zip(members, copies)], -1)
+        return y if bias is None else y + bias
+    if copies[0].scaled and x.dim() == 2 and x.shape[0]:
+        q, scale_inv = side_by_side([c.q for c in copies]), side_by_side([c.scale_inv for c in copies])
+        _views(copies, "q", q)
+        _views(copies, "scale_inv", scale_inv)
+        try:
+            y = _fp8_product(x, q, scale_inv, x.dtype)
+        except Exception as e:  # noqa: BLE001 - a GPU-only path: fall back to dequantising
+            _scaled_mm_failed(x.device, e)
+            for c in copies:
+                c.scaled_failed()
+        else:
+            return y if bias is None else y + bias
+    if copies[0].scaled:  # no rows (or not 2-D): the dequantised product
+        return F.linear(x, torch.cat([c.dequantized(x.dtype) for c in copies]), bias)
+    data = side_by_side([c.data for c in copies])
+    _views(copies, "data", data)
+    return F.linear(x, data if data.dtype == x.dtype else data.to(x.dtype), bias)
+
+
+def _views(copies: list[RolloutLinear], attr: str, packed: torch.Tensor) -> None:
+    """Point each copy's ``attr`` at its rows of ``packed`` (the copies' tensors side by side)."""
+    start = 0
+    for c in copies:
+        rows = getattr(c, attr).shape[0]
+        setattr(c, attr, packed[start : start + rows])
+        start += rows
 
 
 _SCALED_MM_OK: dict[torch.device, bool] = {}

@@ -324,6 +324,14 @@ def test_the_static_decoder_decodes_with_the_rollout_copies(precision, hf_models
         for p, q in zip(a.sequences, b.sequences):
             np.testing.assert_array_equal(q.tokens, p.tokens)
             np.testing.assert_allclose(q.logprobs, p.logprobs, atol=1e-5, rtol=0)
+    # the static decoder multiplied each shared-input group's copies in one product: they are now
+    # consecutive rows of one tensor, as the packed weights are
+    attn, mlp = worker.model.model.layers[0].self_attn, worker.model.model.layers[0].mlp
+    for members in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        data = [m.rollout.data for m in members]
+        assert len({d.untyped_storage().data_ptr() for d in data}) == 1
+        assert all(a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(data, data[1:]))
+    assert attn.o_proj.rollout.data.untyped_storage().data_ptr() != attn.q_proj.rollout.data.untyped_storage().data_ptr()
     # and not the bf16 decoder's: the copies were used
     plain = Worker.from_pretrained(path, "cpu", torch.float32, sampler_config=dataclasses.replace(CFG, static_decode=True))
     ref = plain.sample(_requests(_adapter(plain)))

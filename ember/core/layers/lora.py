@@ -252,3 +252,26 @@ class LoraLinear(nn.Module):
         if lora is None:
             return F.linear(x, self.weight, bias)
         return lora.linear(self.lora_name, x, self.weight, bias)
+
+
+def side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` concatenated along rows (dim 0); the tensor they are views of if packed already
+    (no copy). The static decoder lays a shared-input group's weights (and their rollout copies)
+    side by side with it."""
+    base = _packed_base(parts)
+    return base if base is not None else torch.cat([p.data for p in parts])
+
+
+def _packed_base(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose storage ``parts`` fill exactly, as consecutive row blocks in order (an earlier
+    packing), else None."""
+    storage = parts[0].untyped_storage()
+    ptr = storage.data_ptr()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage.data_ptr() or p.data_ptr() != ptr or not p.is_contiguous():
+            return None
+        ptr += p.numel() * p.element_size()
+    if ptr != storage.data_ptr() + storage.nbytes():
+        return None
+    rows = sum(p.shape[0] for p in parts)
+    return torch.empty(0, dtype=parts[0].dtype, device=parts[0].device).set_(storage, 0, (rows, *parts[0].shape[1:]))

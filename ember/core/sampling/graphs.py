@@ -57,7 +57,7 @@ from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
-from ember.core.layers.lora import LoraLinear
+from ember.core.layers.lora import LoraLinear, side_by_side
 from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
 from ember.core.logprobs import chunk_logits
@@ -112,6 +112,7 @@ class PackedLinears:
     def __init__(self, model: CausalLM):
         self.weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.member: dict[str, tuple[str, int, int]] = {}  # module -> (group, first row, end row)
+        self.modules: dict[str, list[LoraLinear]] = {}  # group -> its members
         self._views: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for members in shared_input_groups(model):
@@ -120,8 +121,8 @@ class PackedLinears:
                 if len({(w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
                     continue
                 key = members[0].lora_name
-                W = _packed_or_cat(ws)
-                b = _packed_or_cat(biases) if biases[0] is not None else None
+                W = side_by_side(ws)
+                b = side_by_side(biases) if biases[0] is not None else None
                 start = 0
                 for m in members:
                     end = start + m.out_features
@@ -132,6 +133,7 @@ class PackedLinears:
                     self._views[m.lora_name] = m.weight
                     start = end
                 self.weights[key] = (W, b)
+                self.modules[key] = members
 
     def rows(self, name: str, weight: torch.Tensor) -> tuple[str, int, int] | None:
         """``(group, first row, end row)`` of module ``name`` if ``weight`` is still its packed view."""
@@ -143,26 +145,15 @@ class PackedLinears:
             return None
         return entry
 
-
-def _packed_or_cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` concatenated along rows; the tensor they are views of if packed already (no copy)."""
-    base = _packed_base(parts)
-    return base if base is not None else torch.cat([p.data for p in parts])
-
-
-def _packed_base(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor whose storage ``parts`` fill exactly, as consecutive row blocks in order (an earlier
-    packing), else None."""
-    storage = parts[0].untyped_storage()
-    ptr = storage.data_ptr()
-    for p in parts:
-        if p.untyped_storage().data_ptr() != storage.data_ptr() or p.data_ptr() != ptr or not p.is_contiguous():
-            return None
-        ptr += p.numel() * p.element_size()
-    if ptr != storage.data_ptr() + storage.nbytes():
-        return None
-    rows = sum(p.shape[0] for p in parts)
-    return torch.empty(0, dtype=parts[0].dtype, device=parts[0].device).set_(storage, 0, (rows, *parts[0].shape[1:]))
+    def product(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """Group ``key``'s base product ``x @ W.T + b``: through its members' rollout copies while
+        they are in use (:func:`~ember.core.rollout_precision.group_product`, laid side by side as
+        the weights are), else through the packed weights."""
+        W, b = self.weights[key]
+        members = self.modules[key]
+        if members[0].rollout is not None and members[0].rollout.active:
+            return rollout_precision.group_product(members, x, b)
+        return F.linear(x, W, b)
 
 
 class LoraStacks:
@@ -390,14 +381,18 @@ class StaticRoute:
         y = torch.zeros(*x.shape[:-1], st[1].shape[1], dtype=x.dtype, device=x.device)
         return self.add_delta(name, x, y)
 
+    def packs(self, module: LoraLinear, x: torch.Tensor) -> bool:
+        """Whether :meth:`linear` multiplies ``module``'s shared-input group at once (its rollout
+        copy, if any, included): a rollout copy then hands its product over to it."""
+        return self.packed is not None and x.dim() == 2 and self.packed.rows(module.lora_name, module.weight) is not None
+
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = self.packed.rows(name, weight) if self.packed is not None and x.dim() == 2 else None
         if rows is None:
             return self.add_delta(name, x, F.linear(x, weight, bias))
         key, start, end = rows
         if self._y is None or self._y[0] != key or self._y[1] is not x:
-            W, b = self.packed.weights[key]
-            y = F.linear(x, W, b)
+            y = self.packed.product(key, x)
             stacks = self.stacks.fused.get(key) if self.lora else None
             if stacks is not None:
                 triton = self._triton(y, x, *stacks)

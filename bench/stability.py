@@ -20,6 +20,7 @@ For each shape (default: Qwen3-8B and Qwen3-30B-A3B reduced to 12 layers):
 
     python bench/stability.py --out /tmp/bench                       # on the GPU
     python bench/stability.py --shapes tiny,tiny-moe --new 8          # CPU smoke test
+    python bench/stability.py --shapes qwen3-8b --parts gap --rollout-precision fp8   # an fp8 rollout's gap
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 SESSION = "bench"
 
 
-def build(shape: str, prompts: int, plen: int, new: int) -> tuple[Worker, int]:
+def build(shape: str, prompts: int, plen: int, new: int, precision: str = "bf16") -> tuple[Worker, int]:
     name, _, layers = shape.partition(":")
     cfg = dict(SHAPES[name])
     if layers:
@@ -60,7 +61,8 @@ def build(shape: str, prompts: int, plen: int, new: int) -> tuple[Worker, int]:
     page = 16
     sampler = SamplerConfig(max_seqs=prompts, page_size=page, kv_tokens=(prompts + 1) * (plen + new + page),
                             max_prefill_tokens=max(16384, plen))
-    worker = Worker(model, max_adapters=2, max_rank=32, max_seq_len=plen + new + page, sampler_config=sampler)
+    worker = Worker(model, max_adapters=2, max_rank=32, max_seq_len=plen + new + page, sampler_config=sampler,
+                    rollout_precision=precision)
     slot = worker.create_adapter(LoraConfig(rank=32, alpha=32.0, targets=frozenset({"attn", "mlp"}), seed=0))
     with torch.no_grad():  # B != 0, so the adapter changes the output
         a = worker.adapter(slot)
@@ -244,21 +246,26 @@ def profile_steps(worker, slot, prompts, new) -> dict:
 
 def run_shape(shape: str, args) -> dict:
     vocab_shape = shape.partition(":")[0]
-    worker, slot = build(shape, args.prompts, args.prompt_len, args.new)
+    worker, slot = build(shape, args.prompts, args.prompt_len, args.new, args.rollout_precision)
     moe = bool(worker.model.moe_routers())
     rng = np.random.default_rng(0)
     vocab = token_vocab(SHAPES[vocab_shape])
     prompts = [rng.integers(0, vocab, args.prompt_len) for _ in range(args.prompts)]
-    res = {"shape": shape, "moe": moe, "static_decode": worker.sampler.static is not None}
-    res["sampling_tokens_per_s"] = recording_cost(worker, slot, prompts, args.new)
+    res = {"shape": shape, "moe": moe, "static_decode": worker.sampler.static is not None,
+           "rollout_precision": args.rollout_precision}
+    parts = args.parts.split(",")
+    if "sampling" in parts:
+        res["sampling_tokens_per_s"] = recording_cost(worker, slot, prompts, args.new)
     if args.profile:
         res["step_profile_ms"] = profile_steps(worker, slot, prompts, args.new)
         if args.profile == "only":
             return res
-    g = gaps(worker, slot, prompts[: args.gap_prompts], args.gap_new, moe)
-    resolved, plain = g.pop("_datums")
-    res["gap"] = g
-    res["loss_seconds"] = loss_cost(worker, slot, resolved, plain)
+    if "gap" in parts or "loss" in parts:
+        g = gaps(worker, slot, prompts[: args.gap_prompts], args.gap_new, moe)
+        resolved, plain = g.pop("_datums")
+        res["gap"] = g
+        if "loss" in parts:
+            res["loss_seconds"] = loss_cost(worker, slot, resolved, plain)
     del worker
     torch.cuda.empty_cache() if DEVICE == "cuda" else None
     return res
@@ -275,6 +282,10 @@ def main() -> None:
     ap.add_argument("--gap-new", type=int, default=128)
     ap.add_argument("--profile", choices=("", "also", "only"), default="",
                     help="time the parts of a decode step with and without the record (only: nothing else)")
+    ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
+                    help="the sampler's copy of the base weights (the trainer stays bf16)")
+    ap.add_argument("--parts", default="sampling,gap,loss",
+                    help="comma list: sampling (recording cost), gap, loss (loss cost; measures the gap too)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     print(hardware_line(), flush=True)
@@ -298,16 +309,18 @@ def main() -> None:
             print(f"{r['shape']} step parts (ms): {r['step_profile_ms']}")
         if "gap" not in r:
             continue
-        s = r["sampling_tokens_per_s"]
-        line = [f"{r['shape']}", f"{s['plain']:.0f} / {s['record']:.0f} ({100 * s['slowdown']:+.1f} %)"]
+        s = r.get("sampling_tokens_per_s")
+        line = [f"{r['shape']} ({r['rollout_precision']})",
+                f"{s['plain']:.0f} / {s['record']:.0f} ({100 * s['slowdown']:+.1f} %)" if s else "-"]
         for mode, row in r["gap"].items():
             cells = " / ".join(f"{row[k]['mean']:.2e}, {row[k]['max']:.2e}" for k in ("plain", "+support", "+R3")
                                if k in row)
             flips = row.get("+support", {}).get("route_flips")
             line.append(f"{mode}: {cells}" + (f" | flips live {flips:.3f}" if flips is not None else ""))
-        c = r["loss_seconds"]
-        line.append(f"{c['importance_sampling']:.3f} / {c['stable_reinforce']:.3f} ({c['ratio']:.2f}x, "
-                    f"{c['tokens']} tokens)")
+        c = r.get("loss_seconds")
+        if c:
+            line.append(f"{c['importance_sampling']:.3f} / {c['stable_reinforce']:.3f} ({c['ratio']:.2f}x, "
+                        f"{c['tokens']} tokens)")
         print(" | ".join(line))
 
 

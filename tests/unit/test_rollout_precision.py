@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -330,7 +331,7 @@ def test_the_static_decoder_decodes_with_the_rollout_copies(precision, hf_models
     for members in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
         data = [m.rollout.data for m in members]
         assert len({d.untyped_storage().data_ptr() for d in data}) == 1
-        assert all(a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(data, data[1:]))
+        assert all(a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in itertools.pairwise(data))
     assert attn.o_proj.rollout.data.untyped_storage().data_ptr() != attn.q_proj.rollout.data.untyped_storage().data_ptr()
     # and not the bf16 decoder's: the copies were used
     plain = Worker.from_pretrained(path, "cpu", torch.float32, sampler_config=dataclasses.replace(CFG, static_decode=True))

@@ -1,6 +1,7 @@
-"""fp8 products at decode shapes on the GPU: the Triton blockwise kernel
+"""Products at decode shapes on the GPU: the Triton blockwise fp8 kernel
 (``ember.core.kernels.fp8_gemm``) against ``scaled_mm``'s blockwise recipe and bf16 ``F.linear``
-(cuBLAS), at Qwen3-8B's projection shapes and decode row counts.
+(cuBLAS), at Qwen3-8B's projection shapes and decode row counts; and the routed experts' decode
+kernel (``ember.core.kernels.expert_decode``, bf16 and fp8) against ``torch._grouped_mm``.
 
 Each variant streams its weights from HBM: the timed CUDA graph cycles through enough copies of the
 weight (different tensors, ``--pool`` MiB in all) that none is still in L2 when it is read again.
@@ -9,7 +10,10 @@ The fp8 products include the activation quantisation (one Triton launch) unless 
 
 * ``check``: the kernel and ``scaled_mm`` against the fp64 product of the dequantised operands;
 * ``sweep``: every launch shape (rows, columns, K splits, warps, stages) of the kernel on every
-  projection; prints the best, the one :func:`fp8_gemm.config` picks, and ``scaled_mm`` and bf16.
+  projection; prints the best, the one :func:`fp8_gemm.config` picks, and ``scaled_mm`` and bf16;
+* ``experts``: routed experts at decode (Qwen3-30B-A3B's and Qwen3-Next's shapes, random routing):
+  ``torch._grouped_mm`` over the gathered rows against ``ember.core.kernels.expert_decode`` in
+  bf16 and fp8. Each timing cycles through two copies of a layer's experts (each larger than L2).
 
     python3 bench/fp8_decode_gemm.py --out $OUT
     python3 bench/fp8_decode_gemm.py --rows 64 --quick      # fewer launch shapes
@@ -151,12 +155,66 @@ def sweep_one(name: str, N: int, K: int, M: int, pool_mib: int, quick: bool, dev
     return row
 
 
+# routed experts at decode (name, experts, N, K, top-k): Qwen3-30B-A3B and Qwen3-Next-80B-A3B
+EXPERT_SHAPES = (("30B-A3B gate_up", 128, 1536, 2048, 8), ("30B-A3B down", 128, 2048, 768, 8),
+                 ("Next gate_up", 512, 1024, 2048, 10), ("Next down", 512, 2048, 512, 10))
+
+
+def experts(tokens: list[int], dev) -> dict:
+    """Routed experts at decode: ``torch._grouped_mm`` over the gathered rows (the path before)
+    against :mod:`ember.core.kernels.expert_decode` in bf16 and in fp8 (quantisation included),
+    random routing of ``tokens`` tokens; errors against fp32 / the fp64 model."""
+    out = {}
+    for (name, E, N, K, k), T in itertools.product(EXPERT_SHAPES, tokens):
+        out[f"{name} T={T}"] = experts_one(name, E, N, K, k, T, dev)
+        torch.cuda.empty_cache()
+    return out
+
+
+def experts_one(name: str, E: int, N: int, K: int, k: int, T: int, dev) -> dict:
+    from ember.core.kernels import expert_decode
+    from ember.core.kernels.grouped import grouped_linear
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    ws = [torch.randn(E, N, K, device=dev, dtype=torch.bfloat16, generator=g) * K**-0.5 for _ in range(2)]
+    fp8 = [quant.quantize_fp8_block(w, fp8_gemm.BLOCK) for w in ws]
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16, generator=g)
+    choice = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices.flatten()
+    order = torch.sort(choice, stable=True).indices
+    rows = order // k
+    offsets = torch.cumsum(torch.bincount(choice, minlength=E), 0).to(torch.int32)
+    touched = int((torch.bincount(choice, minlength=E) > 0).sum())
+    ref = grouped_linear(x[rows], ws[0], offsets).float()
+    y = expert_decode.expert_linear(x, rows, ws[0], offsets).float()
+    y8 = expert_decode.expert_linear(x, rows, fp8[0][0], offsets, fp8[0][1]).float()
+    row = {"experts": E, "N": N, "K": K, "tokens": T, "top_k": k, "experts_touched": touched,
+           "rel_err_bf16_kernel": float((y - ref).norm() / ref.norm()),
+           "rel_err_fp8_vs_bf16": float((y8 - ref).norm() / ref.norm())}
+    row["grouped_mm_us"] = graph_us([lambda w=w: grouped_linear(x[rows], w, offsets) for w in ws])
+    for bn in (64, 128):
+        row[f"kernel_bf16_bn{bn}_us"] = graph_us(
+            [lambda w=w, bn=bn: expert_decode.expert_linear(x, rows, w, offsets, block_n=bn) for w in ws])
+        row[f"kernel_fp8_bn{bn}_us"] = graph_us(
+            [lambda q=q, s=s, bn=bn: expert_decode.expert_linear(x, rows, q, offsets, s, block_n=bn)
+             for q, s in fp8])
+    touched_bytes = touched * N * K
+    best16 = min(row["kernel_bf16_bn64_us"], row["kernel_bf16_bn128_us"])
+    best8 = min(row["kernel_fp8_bn64_us"], row["kernel_fp8_bn128_us"])
+    print(f"experts {name:16s} T={T:4d} ({touched}/{E} experts): grouped_mm {row['grouped_mm_us']:7.1f} us "
+          f"({2 * touched_bytes / 1e3 / row['grouped_mm_us']:.0f} GB/s) | kernel bf16 {best16:7.1f} "
+          f"({2 * touched_bytes / 1e3 / best16:.0f} GB/s) | kernel fp8 {best8:7.1f} "
+          f"({touched_bytes / 1e3 / best8:.0f} GB/s) | rel err bf16 {row['rel_err_bf16_kernel']:.1e}, "
+          f"fp8 vs bf16 {row['rel_err_fp8_vs_bf16']:.1e} | {row}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="64,256", help="comma list of row counts (decode batch sizes)")
     ap.add_argument("--pool", type=int, default=256, help="MiB of fp8 weight copies each timing cycles through")
     ap.add_argument("--quick", action="store_true", help="fewer launch shapes in the sweep")
-    ap.add_argument("--only", default="check,sweep")
+    ap.add_argument("--only", default="check,sweep,experts")
+    ap.add_argument("--tokens", default="64,256", help="experts: tokens of the decode step")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -172,6 +230,8 @@ def main() -> None:
         out["check"] = check(rows, dev)
     if "sweep" in parts:
         out["sweep"] = sweep(rows, args.pool, args.quick, dev)
+    if "experts" in parts:
+        out["experts"] = experts([int(t) for t in args.tokens.split(",")], dev)
     print(f"done in {time.time() - t0:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fp8_decode_gemm.json").write_text(json.dumps(out, indent=1))

@@ -25,12 +25,14 @@ Formats (:mod:`ember.core.quant`):
   dequantised one. The activations are quantised in one Triton launch
   (:mod:`ember.core.kernels.fp8_quant`, bitwise the PyTorch version). Elsewhere (CPU, other GPUs)
   fp8 is quantise-dequantise (QDQ), as below.
+  Routed experts too: their e4m3 copies and tile scales are multiplied by the decode-shaped
+  expert kernel of :mod:`ember.core.kernels.expert_decode` (rows gathered in the kernel, the
+  input quantised per 1 × 128 block), at every row count.
 * ``mxfp8``: OCP MX (e4m3 elements, one E8M0 power-of-two scale per 32 along ``K``), always
   quantise-dequantise (no MX tensor cores assumed).
 
 QDQ copies hold the dequantised values in the model dtype, so they cost as many bytes as the
-weights they shadow (the sampler's copy doubles the base projections' memory; routed experts are
-always kept as a QDQ copy, also under fp8 on CUDA). Under full fine-tuning the copy follows the
+weights they shadow (the sampler's copy doubles the base projections' memory). Under full fine-tuning the copy follows the
 trainer: a weight whose storage or version counter changed is quantised again when :func:`sampling`
 is entered.
 
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core import quant
-from ember.core.kernels import fp8_gemm, fp8_quant
+from ember.core.kernels import expert_decode, fp8_gemm, fp8_quant
 from ember.core.layers.lora import LoraLinear, LoraRoute, side_by_side
 from ember.core.layers.moe import Experts
 
@@ -330,7 +332,9 @@ def _self_check(module: LoraLinear, copy: RolloutLinear) -> None:
 
 
 class RolloutExperts:
-    """QDQ copies of one :class:`Experts` block's ``gate_up_proj`` / ``down_proj``."""
+    """The copies of one :class:`Experts` block's ``gate_up_proj`` / ``down_proj``: under ``fp8``
+    on a CUDA device of compute capability 9.x, e4m3 with 128 × 128 tile scales (half the bf16
+    bytes), multiplied by :mod:`ember.core.kernels.expert_decode`; otherwise QDQ."""
 
     def __init__(self, module: Experts, precision: str, switch: _Switch):
         self.precision = precision
@@ -349,12 +353,51 @@ class RolloutExperts:
         if self.key is not None:
             self.switch.version += 1
         self.key = key
+        ws = (module.gate_up_proj.detach(), module.down_proj.detach())
+        self.scaled = (self.precision == "fp8" and _fp8_capable(ws[0].device) and expert_decode.available(ws[0])
+                       and _EXPERTS_FP8_OK.get(ws[0].device, True)
+                       and all(w.shape[-1] % FP8_BLOCK == 0 and w.shape[-2] % FP8_BLOCK == 0 for w in ws))
         with torch.no_grad():
-            self.gate_up_proj = qdq(module.gate_up_proj.detach(), self.precision)
-            self.down_proj = qdq(module.down_proj.detach(), self.precision)
+            if self.scaled:
+                (self.gate_up_proj, self.gate_up_scale), (self.down_proj, self.down_scale) = (
+                    quant.quantize_fp8_block(w, FP8_BLOCK) for w in ws)
+            else:
+                self.gate_up_proj, self.down_proj = (qdq(w, self.precision) for w in ws)
+                self.gate_up_scale = self.down_scale = None
+
+    def weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
+        """``((gate_up, its tile scales), (down, its tile scales))``; the scales are None for QDQ copies."""
+        return (self.gate_up_proj, self.gate_up_scale), (self.down_proj, self.down_scale)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up_proj, self.down_proj))
+        tensors = (self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+_EXPERTS_FP8_OK: dict[torch.device, bool] = {}
+
+
+def _experts_check(module: Experts, copy: RolloutExperts) -> None:
+    """Compare one expert's product through the fp8 kernel with the dequantised one; on a
+    mismatch or a failure, turn the fp8 expert copies off on this device and make ``copy`` QDQ."""
+    w, scale = copy.gate_up_proj, copy.gate_up_scale
+    x = torch.randn(8, w.shape[-1], device=w.device, dtype=module.gate_up_proj.dtype)
+    offsets = torch.full((w.shape[0],), 8, dtype=torch.int32, device=w.device)  # every row to expert 0
+    want = x.float() @ quant.dequant_fp8_block(w[0], scale[0]).t()
+    err: Exception | str | None = None
+    try:
+        with torch.no_grad():
+            got = expert_decode.expert_linear(x, None, w, offsets, scale).float()
+        rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+        if not rel < 0.1:
+            err = f"self-check relative error {rel:.3g}"
+    except Exception as e:  # noqa: BLE001 - a GPU-only path: fall back to QDQ copies
+        err = e
+    if err is not None:
+        log.warning("fp8 expert kernel unavailable; the experts' rollout copies are dequantised: %s", err)
+        _EXPERTS_FP8_OK[w.device] = False
+        copy.key = None
+        copy.refresh(module)
 
 
 def targets(model: nn.Module) -> Iterator[LoraLinear | Experts]:
@@ -378,7 +421,7 @@ def attach(model: nn.Module, precision: str) -> int:
     switch = model.__dict__.get("_rollout_switch")
     if switch is None:
         switch = model.__dict__["_rollout_switch"] = _Switch()
-    total, checked = 0, False
+    total, checked, checked_experts = 0, False, False
     for m in mods:
         r = m.__dict__.get("rollout")
         if r is None or r.precision != precision:
@@ -389,6 +432,9 @@ def attach(model: nn.Module, precision: str) -> int:
         if isinstance(r, RolloutLinear) and r.scaled and not checked:
             _self_check(m, r)
             checked = True
+        if isinstance(r, RolloutExperts) and r.scaled and not checked_experts:
+            _experts_check(m, r)
+            checked_experts = True
         if isinstance(r, RolloutLinear) and r.scaled and not _SCALED_MM_OK.get(m.weight.device, True):
             r.scaled_failed()
         total += r.nbytes()

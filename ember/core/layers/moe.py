@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import MoEConfig
+from ember.core.kernels import expert_decode
 from ember.core.kernels import sum_rows as row_kernels
 from ember.core.kernels.grouped import grouped_linear, grouped_wgrad
 from ember.core.layers.activations import silu_mul_packed
@@ -120,13 +121,22 @@ class _ExpertProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, rows, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None, split=False):
+    def forward(ctx, x, rows, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None, split=False,
+                weight_scale=None, decode=False):
         ctx.inverse = inverse  # rows' inverse permutation (ExpertRows.inverse): gx sums them without atomics
         ctx.split = split
-        xs = x if rows is None else x[rows]
-        y = grouped_linear(xs, weight, offsets)
+        xs = None
+        if decode:
+            # decode-shaped, without gradients (or the fp8 rollout copy, ``weight_scale`` its tile
+            # scales): each expert's weight streamed once against its few rows, gathered by index
+            # in the kernel (expert_decode)
+            y = expert_decode.expert_linear(x, rows, weight, offsets, weight_scale)
+        else:
+            xs = x if rows is None else x[rows]
+            y = grouped_linear(xs, weight, offsets)
         h = correction = None
         if A is not None:
+            xs = (x if rows is None else x[rows]) if xs is None else xs
             h = grouped_linear(xs, A, lora_offsets) * lora_scale[:, None]
             correction = grouped_linear(h, B, lora_offsets)
             if not split:
@@ -156,7 +166,7 @@ class _ExpertProjection(torch.autograd.Function):
             if gxs_lora is not None:
                 gxs = gxs + gxs_lora
             gx = gxs if rows is None else torch.zeros_like(x).index_add_(0, rows, gxs)
-        return gx, None, gW, None, None, None, gA, gB, None, None
+        return gx, None, gW, None, None, None, gA, gB, None, None, None, None
 
 
 def sum_rows(rows: torch.Tensor, inverse: torch.Tensor, tokens: int, fp32: bool = False,
@@ -310,19 +320,25 @@ class Experts(nn.Module):
         lora_offsets = ends
 
         def project(inp, rows, w, suffix, split=False):
+            w, w_scale = w
+            # decided here, where the caller's grad mode holds (a Function's forward runs without)
+            decode = w_scale is not None or expert_decode.takes(inp, rows, w)
             factors = None
             if lora is not None:
                 factors = lora.expert_factors(f"{self.lora_name}.{suffix}", group, inp.dtype)
             inv = inverse if rows is not None else None
             if factors is None:
-                y = _ExpertProjection.apply(inp, rows, w, expert_offsets, None, None, None, None, inv)
+                y = _ExpertProjection.apply(inp, rows, w, expert_offsets, None, None, None, None, inv, False, w_scale,
+                                            decode)
                 return (y, None) if split else y
             A, B, scale_rows = factors
-            return _ExpertProjection.apply(inp, rows, w, expert_offsets, lora_offsets, scale_rows, A, B, inv, split)
+            return _ExpertProjection.apply(inp, rows, w, expert_offsets, lora_offsets, scale_rows, A, B, inv, split,
+                                           w_scale, decode)
 
-        gate_up_w, down_w = self.gate_up_proj, self.down_proj
+        # (weight, its fp8 tile scales or None): the rollout copies while the sampler uses them
+        gate_up_w, down_w = (self.gate_up_proj, None), (self.down_proj, None)
         if self.rollout is not None and self.rollout.active:
-            gate_up_w, down_w = self.rollout.gate_up_proj, self.rollout.down_proj
+            gate_up_w, down_w = self.rollout.weights()
         gate_up = project(x, rows, gate_up_w, "gate_up_proj")
         # the routing weight scales the down projection's input rows (same result: it is linear)
         return project(self.activation(gate_up, weight), None, down_w, "down_proj", split)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import graph_us
 from bench.rollout_fp8_check import _time
 from ember.core import rollout_precision as rp
 from ember.core.kernels import fp8_quant
@@ -78,24 +79,10 @@ def _time_graph(fn, reps: int = 20, iters: int = 20) -> float:
     """Microseconds per call of ``fn`` replayed from a CUDA graph of ``reps`` calls: GPU time
     without the host's launch overhead."""
     try:
-        return _graph_time(fn, reps, iters)
+        return graph_us([fn] * reps, iters)
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"  graph capture failed: {e}")
         return float("nan")
-
-
-def _graph_time(fn, reps: int, iters: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return _time(g.replay, iters) / reps
 
 
 def _special(k: int, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import hardware_line
+from bench.common import graph_us, hardware_line
 from ember.core import quant
 from ember.core import rollout_precision as rp
 from ember.core.kernels import fp8_gemm, fp8_quant
@@ -41,29 +41,6 @@ from ember.core.kernels import fp8_gemm, fp8_quant
 # Qwen3-8B (hidden 4096, 32/8 heads of 128, intermediate 12288): (name, N, K)
 SHAPES = (("q/o", 4096, 4096), ("k/v", 1024, 4096), ("qkv packed", 6144, 4096),
           ("gate+up packed", 24576, 4096), ("down", 4096, 12288))
-
-
-def graph_us(fns: list, iters: int = 20) -> float:
-    """GPU µs per call of the callables ``fns`` (called in turn), replayed from one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns[:3]:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * len(fns))
 
 
 def weights(N: int, K: int, copies: int, dev) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import COPY_BANDWIDTH, event_time_ms
+from bench.common import COPY_BANDWIDTH, event_time_ms, graph_us
 from ember.core.adapters import LoraConfig
 from ember.core.config import AttentionSpec, config_from_hf
 from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
@@ -591,25 +591,7 @@ HBM_TBPS = COPY_BANDWIDTH / 1e12  # measured copy bandwidth (shared/perf_targets
 def _graph_time_us(fn, inner: int = 20, reps: int = 50) -> float:
     """GPU time of one ``fn()`` (microseconds): ``inner`` calls captured in a CUDA graph, replayed
     ``reps`` times between CUDA events (so host launch overhead is not measured, as in decode)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * inner)
+    return graph_us([fn] * inner, reps)
 
 
 def check_lora_decode() -> None:

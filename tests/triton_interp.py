@@ -28,3 +28,18 @@ def patch_interpreter() -> None:
         return t
 
     interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: dot(self, widen(a), widen(b), d, *args)
+
+
+def run_interpreted(script: str, timeout: int = 900) -> str:
+    """Run ``script`` in a fresh Python under Triton's interpreter (``TRITON_INTERPRET=1`` is read
+    when Triton is imported, hence the subprocess), from the repository root; returns its stdout
+    and fails the test with its output's tail if it exits non-zero."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout,
+                         check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout

@@ -1,12 +1,11 @@
 """The decode LoRA kernels (split-K shrink, fused expand-add) equal a float64 reference
 (run on the CPU through Triton's interpreter)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interp import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -171,6 +170,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_lora_decode_kernels_match_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OK" in run_interpreted(SCRIPT, timeout=600)

@@ -14,9 +14,6 @@ generated lengths exceed Inkling-2's sliding window and relative extent and QSA'
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -35,6 +32,7 @@ from tests.parity import test_inkling2 as inkling2_parity
 from tests.parity import test_qwen3_next as qwen3_next_parity
 from tests.parity import test_qwen4_exp as qwen4_parity
 from tests.tiny_models import random_sequences
+from tests.triton_interp import run_interpreted
 from tests.unit.test_sampler import _trainer_logprobs
 
 FAMILIES = {
@@ -226,10 +224,7 @@ def _kernel_check(check: str, gather: str) -> None:
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    res = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    assert "ok" in run_interpreted(script, timeout=600)
 
 
 def test_relative_decode_triton_kernel_equals_dense():

@@ -3,12 +3,11 @@ token's sum of its k rows of one tensor or of two, bitwise the fp32 sum in the k
 rounded once; and an MoE layer whose combine and input gradient run through it against the same
 layer in fp64."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interp import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -61,6 +60,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_sum_rows_kernel_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok")

@@ -55,7 +55,10 @@ if fused.HAVE_TRITON:
             for m0 in range(start, end, BLOCK_M):
                 r = m0 + tl.arange(0, BLOCK_M)
                 rmask = r < end
-                src = tl.load(ROWS + r, mask=rmask, other=0) if HAS_ROWS else r
+                if HAS_ROWS:
+                    src = tl.load(ROWS + r, mask=rmask, other=0)
+                else:
+                    src = r
                 x_ptr = X + src.to(tl.int64)[:, None] * stride_xm + kk[None, :]
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 for kb in range(tl.cdiv(K, BLOCK_K)):

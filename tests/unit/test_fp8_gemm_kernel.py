@@ -91,10 +91,11 @@ def test_config_fills_the_gpu_with_few_splits():
 
     if not fp8_gemm.fused.HAVE_TRITON:
         pytest.skip("no triton")
-    cpu = torch.device("cpu")  # taken as 132 SMs (an H100/H200)
-    wide = fp8_gemm.config(64, 24576, 4096, cpu)  # 192 column blocks: enough without splitting K
-    assert (wide.block_m, wide.block_n, wide.split) == (64, 128, 1)
-    narrow = fp8_gemm.config(64, 4096, 4096, cpu)  # 32 column blocks: split K eight ways -> 256
-    assert narrow.split == 8
-    assert fp8_gemm.config(3, 1024, 256, cpu).block_m == 16  # two K blocks: never split below 2 each
-    assert fp8_gemm.config(3, 1024, 256, cpu).split == 1
+    cpu = torch.device("cpu")  # taken as 132 SMs (an H100/H200): 256 programs wanted
+    # Qwen3-8B at 64 rows: the best launch shapes of bench/fp8_decode_gemm.py on an H100
+    splits = {(24576, 4096): 1, (6144, 4096): 4, (4096, 4096): 4, (4096, 12288): 4, (1024, 4096): 8}
+    for (N, K), split in splits.items():
+        cfg = fp8_gemm.config(64, N, K, cpu)
+        assert (cfg.block_m, cfg.block_n, cfg.split, cfg.warps, cfg.stages) == (64, 64, split, 4, 3), (N, K, cfg)
+    small = fp8_gemm.config(3, 1024, 512, cpu)  # four K blocks: never split below four each
+    assert small.block_m == 16 and small.split == 1

@@ -16,7 +16,7 @@ kernel is shaped for that:
 * the weight tile is the MMA's M side (``tl.dot(w, xq.T)``, ``[BLOCK_N, BLOCK_M]``), so a block of
   64 rows or fewer is one narrow MMA per K block;
 * the grid is ``(N / BLOCK_N, M / BLOCK_M, split)``: K is split so that a projection with few
-  column blocks still puts every SM to work. Each split writes its fp32 partial sums to a
+  column blocks still puts two programs on every SM. Each split writes its fp32 partial sums to a
   workspace ``[split, M, N]`` and one more launch adds them in split order and rounds once:
   deterministic (no atomics), so a seeded rollout is reproducible.
 
@@ -34,7 +34,11 @@ import torch
 from ember.core.kernels import fused
 
 BLOCK = 128  # the weight tile and activation block along K (and the weight tile along N)
-SMALL_M = 256  # rows up to which rollout_precision takes this kernel instead of scaled_mm
+# rows up to which rollout_precision takes this kernel instead of scaled_mm: at 64 rows it was
+# faster than scaled_mm on q/o, k/v and down (12.2 against 14.3 µs for 4096 x 4096, quantisation
+# apart) and level on the wide products; at 128 and 256 rows scaled_mm was (H100,
+# bench/fp8_decode_gemm.py, docs/performance.md)
+SMALL_M = 64
 
 if fused.HAVE_TRITON:
     import triton
@@ -91,7 +95,7 @@ class Config:
     block_n: int
     split: int
     warps: int = 4
-    stages: int = 4
+    stages: int = 3
 
 
 def _sm_count(device: torch.device) -> int:
@@ -101,15 +105,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 def config(M: int, N: int, K: int, device: torch.device) -> Config:
-    """The launch shape for ``[M, K] @ [N, K].T``: blocks of up to 64 rows, 128 columns, and the
-    fewest K splits (of at least two K blocks each) that give every SM a program."""
+    """The launch shape for ``[M, K] @ [N, K].T``: blocks of up to 64 rows and 64 columns, and the
+    fewest K splits (of at least four K blocks each) that make two programs per SM (rounded down
+    to a power of two). At 64 rows on an H100 this was the best of 180 launch shapes, or within
+    6 %, on all five of Qwen3-8B's projections (``bench/fp8_decode_gemm.py``)."""
     block_m = max(16, min(64, triton.next_power_of_2(M))) if fused.HAVE_TRITON else 64
-    block_n = BLOCK
+    block_n = 64
     tiles = -(-N // block_n) * -(-M // block_m)
     k_blocks = K // BLOCK
-    sms = _sm_count(device)
+    programs = 1 << (2 * _sm_count(device)).bit_length() - 1
     split = 1
-    while tiles * split < sms and k_blocks // (split * 2) >= 2:
+    while tiles * split < programs and k_blocks // (split * 2) >= 4:
         split *= 2
     return Config(block_m, block_n, split)
 

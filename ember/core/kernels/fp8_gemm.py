@@ -20,6 +20,10 @@ kernel is shaped for that:
   workspace ``[split, M, N]`` and one more launch adds them in split order and rounds once:
   deterministic (no atomics), so a seeded rollout is reproducible.
 
+On an H100 at 64 rows, with the weights streamed from HBM, a Qwen3-8B layer's four products took
+98.6 µs here (plus 13.8 of activation quantisation) against 122.0 with ``scaled_mm`` and 160.6 in
+bf16; at 128 and 256 rows ``scaled_mm`` was faster (``docs/performance.md``).
+
 Launch shapes depend only on tensor shapes (never on values), so the products capture in a CUDA
 graph. :func:`config` picks the blocks and the split; the benchmark ``bench/fp8_decode_gemm.py``
 sweeps them on the GPU.

@@ -343,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                        help="precision of the sampler's copy of the base attention/MLP projections and routed "
                        "experts (not embeddings, norms, routers or the LM head): bf16 (the model's own weights), "
-                       "fp8 (e4m3 with 128x128 block scales; scaled_mm on Hopper: half the weight bytes, but at decode "
-                       "batch sizes its blockwise kernel is slower than bf16: 9.8 against 8.7 ms a step for 64 "
-                       "sequences of a Qwen3-8B, docs/performance.md; else quantise-dequantise) or "
+                       "fp8 (e4m3 with 128x128 block scales, half the weight bytes, on Hopper: W8A8 products through "
+                       "Triton kernels at decode batch sizes and scaled_mm above; 9.4 against 10.4 ms a bf16 step "
+                       "for 64 sequences of a Qwen3-8B on an H100, docs/performance.md; else quantise-dequantise) or "
                        "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
                        "the model dtype and training keeps the model's weights (default bf16)")
     serve.add_argument("--max-prefill-tokens", type=int, default=16384, metavar="N", help="tokens per sampling step: one decode token per running sequence, the rest for prompts; a longer prompt is prefilled in chunks over several steps while the running sequences keep decoding (dense, MoE, MLA and Gated DeltaNet families; qwen4_exp and Inkling2 prefill whole prompts). Smaller: shorter stalls of the running decodes, a later first token for long prompts (default 16384)")

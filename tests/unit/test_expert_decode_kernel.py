@@ -125,3 +125,23 @@ def test_takes_only_decode_shapes_without_gradients():
         assert not expert_decode.takes(torch.zeros(8 * 17, 32, dtype=torch.bfloat16), None, w)  # prefill-sized
         assert not expert_decode.takes(x.float(), None, w.float())  # fp32 weights: grouped products
     assert not expert_decode.takes(x, None, w)  # gradients on: training
+
+
+def test_expert_product_falls_back_to_grouped_products():
+    """Where the kernel cannot run (here: the CPU without the interpreter) or failed, the product is
+    the grouped one of the gathered rows, on the dequantised weights for an fp8 copy."""
+    from ember.core import quant
+    from ember.core.kernels import expert_decode
+    from ember.core.kernels.grouped import grouped_linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 256, generator=g)
+    rows = torch.tensor([0, 3, 1, 5, 2, 4, 0])
+    offsets = torch.tensor([3, 3, 7], dtype=torch.int32)
+    w = torch.randn(3, 128, 256, generator=g) * 0.05
+    q, s = quant.quantize_fp8_block(w, 128)
+    if expert_decode.available(x):
+        pytest.skip("the kernel runs here (interpreter): covered above")
+    y = expert_decode.expert_product(x, rows, q, offsets, s)
+    torch.testing.assert_close(y, grouped_linear(x[rows], quant.dequant_fp8_block(q, s), offsets))
+    torch.testing.assert_close(expert_decode.expert_product(x, rows, w, offsets), grouped_linear(x[rows], w, offsets))

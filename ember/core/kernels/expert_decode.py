@@ -29,9 +29,13 @@ The launch depends only on shapes (``offsets`` stays on the device), so a decode
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from ember.core import quant
 from ember.core.kernels import fp8_quant, fused
+from ember.core.kernels.grouped import grouped_linear
 
 BLOCK = 128  # fp8 tiles and activation blocks along K (and the weight tiles along N)
 # average rows per expert up to which a bf16 product takes this kernel: on an H100 it beat
@@ -83,9 +87,12 @@ if fused.HAVE_TRITON:
                 tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
 
 
+_STATE = {"ok": True}  # off after a failed launch (a GPU/Triton combination it was never compiled for)
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether :func:`expert_linear` can run on ``x``'s device (CUDA, or the CPU interpreter)."""
-    return fused.use_triton(x)
+    return _STATE["ok"] and fused.use_triton(x)
 
 
 def takes(x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor) -> bool:
@@ -101,6 +108,29 @@ def takes(x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor) -> b
         and weight.stride(-1) == 1
         and x.stride(-1) == 1
     )
+
+
+def expert_product(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`expert_linear`, or where it fails (turning it off, with a warning) the grouped product
+    of the gathered rows, on the dequantised weights for an e4m3 ``weight``."""
+    if available(x):
+        try:
+            return expert_linear(x, rows, weight, offsets, scale_inv)
+        except Exception as e:
+            if fused.INTERPRET:
+                raise
+            _STATE["ok"] = False
+            warnings.warn(f"expert decode kernel failed ({type(e).__name__}: {e}); using grouped products",
+                          stacklevel=2)
+    if scale_inv is not None:
+        weight = quant.dequant_fp8_block(weight, scale_inv).to(x.dtype)
+    return grouped_linear(x if rows is None else x[rows], weight, offsets)
 
 
 def expert_linear(

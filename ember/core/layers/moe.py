@@ -130,7 +130,7 @@ class _ExpertProjection(torch.autograd.Function):
             # decode-shaped, without gradients (or the fp8 rollout copy, ``weight_scale`` its tile
             # scales): each expert's weight streamed once against its few rows, gathered by index
             # in the kernel (expert_decode)
-            y = expert_decode.expert_linear(x, rows, weight, offsets, weight_scale)
+            y = expert_decode.expert_product(x, rows, weight, offsets, weight_scale)
         else:
             xs = x if rows is None else x[rows]
             y = grouped_linear(xs, weight, offsets)

@@ -111,8 +111,8 @@ def _sm_count(device: torch.device) -> int:
 def config(M: int, N: int, K: int, device: torch.device) -> Config:
     """The launch shape for ``[M, K] @ [N, K].T``: blocks of up to 64 rows and 64 columns, and the
     fewest K splits (of at least four K blocks each) that make two programs per SM (rounded down
-    to a power of two). At 64 rows on an H100 this was the best of 180 launch shapes, or within
-    6 %, on all five of Qwen3-8B's projections (``bench/fp8_decode_gemm.py``)."""
+    to a power of two). At 64 rows on an H100 this was the best of 180 launch shapes on each of
+    Qwen3-8B's five projections (``bench/fp8_decode_gemm.py``)."""
     block_m = max(16, min(64, triton.next_power_of_2(M))) if fused.HAVE_TRITON else 64
     block_n = 64
     tiles = -(-N // block_n) * -(-M // block_m)

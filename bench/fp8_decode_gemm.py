@@ -13,7 +13,9 @@ The fp8 products include the activation quantisation (one Triton launch) unless 
   projection; prints the best, the one :func:`fp8_gemm.config` picks, and ``scaled_mm`` and bf16;
 * ``experts``: routed experts at decode (Qwen3-30B-A3B's and Qwen3-Next's shapes, random routing):
   ``torch._grouped_mm`` over the gathered rows against ``ember.core.kernels.expert_decode`` in
-  bf16 and fp8. Each timing cycles through two copies of a layer's experts (each larger than L2).
+  bf16 and fp8; and with one adapter's LoRA on every expert (``--lora-rank``), the term in the
+  kernel's epilogue against the grouped products after it (the path before). Each timing cycles
+  through two copies of a layer's experts (each larger than L2).
 
     python3 bench/fp8_decode_gemm.py --out $OUT
     python3 bench/fp8_decode_gemm.py --rows 64 --quick      # fewer launch shapes
@@ -137,18 +139,18 @@ EXPERT_SHAPES = (("30B-A3B gate_up", 128, 1536, 2048, 8), ("30B-A3B down", 128, 
                  ("Next gate_up", 512, 1024, 2048, 10), ("Next down", 512, 2048, 512, 10))
 
 
-def experts(tokens: list[int], dev) -> dict:
+def experts(tokens: list[int], dev, lora_rank: int = 0) -> dict:
     """Routed experts at decode: ``torch._grouped_mm`` over the gathered rows (the path before)
     against :mod:`ember.core.kernels.expert_decode` in bf16 and in fp8 (quantisation included),
     random routing of ``tokens`` tokens; errors against fp32 / the fp64 model."""
     out = {}
     for (name, E, N, K, k), T in itertools.product(EXPERT_SHAPES, tokens):
-        out[f"{name} T={T}"] = experts_one(name, E, N, K, k, T, dev)
+        out[f"{name} T={T}"] = experts_one(name, E, N, K, k, T, dev, lora_rank)
         torch.cuda.empty_cache()
     return out
 
 
-def experts_one(name: str, E: int, N: int, K: int, k: int, T: int, dev) -> dict:
+def experts_one(name: str, E: int, N: int, K: int, k: int, T: int, dev, lora_rank: int = 0) -> dict:
     from ember.core.kernels import expert_decode
     from ember.core.kernels.grouped import grouped_linear
 
@@ -177,12 +179,54 @@ def experts_one(name: str, E: int, N: int, K: int, k: int, T: int, dev) -> dict:
     touched_bytes = touched * N * K
     best16 = min(row["kernel_bf16_bn64_us"], row["kernel_bf16_bn128_us"])
     best8 = min(row["kernel_fp8_bn64_us"], row["kernel_fp8_bn128_us"])
+    if lora_rank:
+        row.update(experts_lora(x, rows, ws, fp8, offsets, lora_rank, 64 if best16 == row["kernel_bf16_bn64_us"]
+                                else 128, g))
     print(f"experts {name:16s} T={T:4d} ({touched}/{E} experts): grouped_mm {row['grouped_mm_us']:7.1f} us "
           f"({2 * touched_bytes / 1e3 / row['grouped_mm_us']:.0f} GB/s) | kernel bf16 {best16:7.1f} "
           f"({2 * touched_bytes / 1e3 / best16:.0f} GB/s) | kernel fp8 {best8:7.1f} "
           f"({touched_bytes / 1e3 / best8:.0f} GB/s) | rel err bf16 {row['rel_err_bf16_kernel']:.1e}, "
           f"fp8 vs bf16 {row['rel_err_fp8_vs_bf16']:.1e} | {row}", flush=True)
     return row
+
+
+def experts_lora(x, rows, ws, fp8, offsets, rank: int, block_n: int, g) -> dict:
+    """One adapter's LoRA of rank ``rank`` on every expert, in the static decoder's layout (two
+    groups: rows without an adapter, then the adapter's; every row here has it): the kernel with
+    the term in its epilogue against the kernel followed by the grouped products of the term (the
+    path before: gather, shrink, scale, expand, add)."""
+    from ember.core.kernels import expert_decode
+    from ember.core.kernels.grouped import grouped_linear
+
+    E, N, K = ws[0].shape
+    G, R, dev = 2, rows.shape[0], x.device
+    A = torch.randn(E * G, rank, K, device=dev, dtype=torch.bfloat16, generator=g) * K**-0.5
+    B = torch.randn(E * G, N, rank, device=dev, dtype=torch.bfloat16, generator=g) * 0.1
+    group = torch.ones(R, dtype=torch.long, device=dev)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    pair_ends = torch.cumsum(torch.stack([torch.zeros_like(counts), counts], 1).flatten(), 0).to(torch.int32)
+    scale = torch.ones(R, dtype=torch.bfloat16, device=dev)
+    lo = expert_decode.ExpertLora(A, B, scale, group, G, pair_ends)
+
+    def before(w, s=None):
+        y = expert_decode.expert_linear(x, rows, w, offsets, s, block_n=block_n)
+        h = grouped_linear(x[rows], A, pair_ends) * scale[:, None]
+        return y + grouped_linear(h, B, pair_ends)
+
+    ref = before(ws[0]).float()
+    fused = expert_decode.expert_linear(x, rows, ws[0], offsets, block_n=block_n, lora=lo).float()
+    out = {"lora_rank": rank, "lora_rel_err_vs_before": float((fused - ref).norm() / ref.norm()),
+           "lora_before_bf16_us": graph_us([lambda w=w: before(w) for w in ws]),
+           "lora_fused_bf16_us": graph_us(
+               [lambda w=w: expert_decode.expert_linear(x, rows, w, offsets, block_n=block_n, lora=lo) for w in ws]),
+           "lora_before_fp8_us": graph_us([lambda q=q, s=s: before(q, s) for q, s in fp8]),
+           "lora_fused_fp8_us": graph_us(
+               [lambda q=q, s=s: expert_decode.expert_linear(x, rows, q, offsets, s, block_n=block_n, lora=lo)
+                for q, s in fp8])}
+    print(f"    + LoRA rank {rank}: bf16 {out['lora_before_bf16_us']:.1f} -> {out['lora_fused_bf16_us']:.1f} us, "
+          f"fp8 {out['lora_before_fp8_us']:.1f} -> {out['lora_fused_fp8_us']:.1f} us (term in the epilogue), "
+          f"rel err {out['lora_rel_err_vs_before']:.1e}", flush=True)
+    return out
 
 
 def main() -> None:
@@ -192,6 +236,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer launch shapes in the sweep")
     ap.add_argument("--only", default="check,sweep,experts")
     ap.add_argument("--tokens", default="64,256", help="experts: tokens of the decode step")
+    ap.add_argument("--lora-rank", type=int, default=4,
+                    help="experts: rank of the LoRA on every expert (0: none; rank 32 over top-8 gives 4)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -208,7 +254,7 @@ def main() -> None:
     if "sweep" in parts:
         out["sweep"] = sweep(rows, args.pool, args.quick, dev)
     if "experts" in parts:
-        out["experts"] = experts([int(t) for t in args.tokens.split(",")], dev)
+        out["experts"] = experts([int(t) for t in args.tokens.split(",")], dev, args.lora_rank)
     print(f"done in {time.time() - t0:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fp8_decode_gemm.json").write_text(json.dumps(out, indent=1))

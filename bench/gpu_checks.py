@@ -317,6 +317,48 @@ def check_fused_kernels() -> None:
     report("triton gated norm dx, dgate", rel(outs["kernel"][1], outs["eager"][1]), 1e-2)
 
 
+def check_norm_rope() -> None:
+    """The sampler's fused q/k norm + rotation against the separate kernels (RMSNormFn, RopeFn) on
+    the heads of a packed q/k/v product: Qwen3-8B's (plain norms, full rotation) and Qwen3-Next's
+    gated attention (zero-centred norms, a quarter rotated); and the two at Qwen3-8B's 64-row
+    decode shape (µs, graph replay)."""
+    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    for case in (("qwen3-8b", 64, 32, 8, 128, False, 1.0), ("qwen3-8b prefill", 4096, 32, 8, 128, False, 1.0),
+                 ("qwen3-next", 64, 16, 2, 256, True, 0.25)):
+        _norm_rope_case(*case, dev, gen)
+
+
+def _norm_rope_case(name, T, Hq, Hk, D, zc, partial, dev, gen) -> None:
+    from ember.core.config import RopeConfig
+    from ember.core.kernels import fused
+    from ember.core.layers.rope import RotaryEmbedding
+
+    packed = torch.randn(T, (Hq + 2 * Hk) * D, device=dev, generator=gen).bfloat16() * 3
+    q, k = packed[:, : Hq * D].view(T, Hq, D), packed[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    qw = (torch.randn(D, device=dev, generator=gen) * 0.3 + (0 if zc else 1)).bfloat16()
+    kw = (torch.randn(D, device=dev, generator=gen) * 0.3 + (0 if zc else 1)).bfloat16()
+    cos, sin = RotaryEmbedding(RopeConfig(theta=1e6, partial_rotary_factor=partial), D).cos_sin(
+        torch.arange(T, device=dev) * 13, torch.bfloat16)
+
+    def separate():
+        return (fused.RopeFn.apply(fused.RMSNormFn.apply(q, qw, 1e-6, zc), cos, sin),
+                fused.RopeFn.apply(fused.RMSNormFn.apply(k, kw, 1e-6, zc), cos, sin))
+
+    def together():
+        return fused.qk_norm_rope(q, k, qw, kw, 1e-6, 1e-6, zc, cos, sin)
+
+    with torch.no_grad():
+        (rq, rk), (gq, gk) = separate(), together()
+        differ = int((rq != gq).sum() + (rk != gk).sum())
+        worst = max(float(((gq.float() - rq.float()).abs() / rq.float().abs().clamp_min(1e-30)).max()),
+                    float(((gk.float() - rk.float()).abs() / rk.float().abs().clamp_min(1e-30)).max()))
+        report(f"norm_rope {name}: {differ} of {rq.numel() + rk.numel()} values differ; largest relative", worst,
+               8e-3)
+        if T == 64:
+            print(f"    {name} decode shape: separate {graph_us([separate] * 20):.1f} us, "
+                  f"fused {graph_us([together] * 20):.1f} us", flush=True)
+
+
 def check_tempered_logprobs() -> None:
     """The chunked LM-head logprobs at per-row inverse temperatures (stable_reinforce's support
     replay), on the compiled Triton row kernels, with and without a softcap, against fp64."""
@@ -795,6 +837,7 @@ CHECKS = {
     "attention": lambda: check_attention(),
     "grouped": lambda: check_grouped(),
     "fused": lambda: check_fused_kernels(),
+    "norm_rope": lambda: check_norm_rope(),
     "tempered": lambda: check_tempered_logprobs(),
     "head": lambda: check_aligned_head(),
     "hc": lambda: check_hyper_connections(),

@@ -90,6 +90,70 @@ SCRIPT = textwrap.dedent(
     ref = experts(xin.requires_grad_(), routing, None).detach()
     assert len(calls) == 2
     assert float((fast.float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
+
+    # the LoRA term in the same pass: pairs (expert, group), rows of several groups in one expert,
+    # ranks below and above the epilogue's rank block, against fp64
+    for T, E, k, N, K, G, r in ((6, 4, 2, 128, 128, 1, 4), (11, 5, 2, 256, 256, 3, 6), (9, 4, 3, 64, 96, 2, 8)):
+        x, rows, offsets = case(T, E, k, N, K)
+        w = (torch.randn(E, N, K, generator=g) * K**-0.5).bfloat16()
+        A = (torch.randn(E * G, r, K, generator=g) * K**-0.5).bfloat16()
+        B = (torch.randn(E * G, N, r, generator=g) * 0.5).bfloat16()
+        expert = torch.repeat_interleave(torch.arange(E), torch.diff(offsets, prepend=offsets.new_zeros(1)))
+        grp = torch.randint(0, G, (rows.shape[0],), generator=g)
+        order = torch.sort(expert * G + grp, stable=True).indices  # rows sorted by (expert, group)
+        rows, grp = rows[order], grp[order]
+        pair = expert * G + grp
+        pair_ends = torch.cumsum(torch.bincount(pair, minlength=E * G), 0).to(torch.int32)
+        scale = torch.rand(rows.shape[0], generator=g).bfloat16() + 0.5
+        xb = x.bfloat16()
+        xd = xb.double()[rows]
+        h = torch.einsum("ik,irk->ir", xd, A.double()[pair])
+        ref = torch.einsum("ik,ink->in", xd, w.double()[expert]) + scale.double()[:, None] * torch.einsum(
+            "ir,inr->in", h, B.double()[pair])
+        lo = ed.ExpertLora(A, B, scale, grp, G, pair_ends)
+        y = ed.expert_linear(xb, rows, w, offsets, out_dtype=torch.float32, lora=lo)
+        err = float((y.double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5, ("lora", T, E, G, r, err)
+        if K % 128 == 0 and N % 128 == 0:
+            q, s = quant.quantize_fp8_block(w.float(), 128)
+            xq, xs = fq.quantize_act_fp8(xb)  # bf16 input (the interpreter truncates fp32 -> bf16)
+            xq = (xq.double().reshape(T, K // 128, 128) * xs.double()[..., None]).reshape(T, K)[rows]
+            ref8 = torch.einsum("ik,ink->in", xq, quant.dequant_fp8_block(q, s).double()[expert]) + \
+                scale.double()[:, None] * torch.einsum("ir,inr->in", h, B.double()[pair])
+            y8 = ed.expert_linear(xb, rows, q, offsets, s, out_dtype=torch.float32, lora=lo)
+            err = float((y8.double() - ref8).abs().max() / ref8.abs().max())
+            assert err < 1e-5, ("fp8 lora", T, E, G, r, err)
+        n += 1
+
+    # an MoE layer with an adapter: under no_grad the kernel (LoRA in its epilogue), with
+    # gradients the grouped products of the training path
+    class Route:  # the two groups a sampler's route gives: no adapter, and one adapter
+        moe_adapters = [0, 1]
+
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def moe_token_group(self):
+            return (torch.arange(self.tokens) % 2)
+
+        def expert_factors(self, name, row_group, dtype):
+            A, B = factors[name.rsplit(".", 1)[-1]]
+            return A, B, torch.full((row_group.shape[0],), 2.0, dtype=dtype)
+
+    factors = {}
+    for name, (i, o) in experts.lora_shapes().items():
+        A = (torch.randn(E, 2, 4, i, generator=g) * i**-0.5).bfloat16()
+        B = (torch.randn(E, 2, o, 4, generator=g) * 0.5).bfloat16()
+        A[:, 0], B[:, 0] = 0, 0  # group 0: rows without an adapter
+        factors[name] = (A.reshape(E * 2, 4, i), B.reshape(E * 2, o, 4))
+    with torch.no_grad():
+        fast = experts(xin, routing, Route(T))
+        plain = experts(xin, routing, None)
+    ref = experts(xin.detach().requires_grad_(), routing, Route(T)).detach()
+    assert float((fast.float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
+    scale = ref.float().abs().max()
+    assert float((fast.float() - plain.float())[1::2].abs().max() / scale) > 5e-2  # the adapter's term is there
+    assert float((fast.float() - plain.float())[0::2].abs().max() / scale) < 1e-2  # rows without an adapter: none
     print("OK", n)
     """
 )

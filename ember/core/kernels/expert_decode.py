@@ -30,6 +30,7 @@ The launch depends only on shapes (``offsets`` stays on the device), so a decode
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -51,8 +52,9 @@ if fused.HAVE_TRITON:
     def _expert_kernel(
         X, XS, ROWS, W, WS, Y, OFFS, N, K,
         stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
-        HAS_ROWS: tl.constexpr, SCALED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        H, GRP, LB, LS, R, G, stride_hm, stride_be, stride_bn,
+        HAS_ROWS: tl.constexpr, SCALED: tl.constexpr, LORA: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
@@ -83,6 +85,18 @@ if fused.HAVE_TRITON:
                         acc += tl.dot(w, tl.trans(x)) * ws[:, None] * xs[None, :]
                     else:
                         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+                if LORA:
+                    # + scale · h·B[p]ᵀ, ``h`` the rows' fp32 shrink and ``p = e·G + group`` each
+                    # row's (expert, adapter group) pair: rows of several adapters share the tile
+                    p = e * G + tl.load(GRP + r, mask=rmask, other=0)
+                    s = tl.load(LS + r, mask=rmask, other=0.0).to(tl.float32)
+                    b_ptr = LB + p.to(tl.int64)[None, :, None] * stride_be + cols.to(tl.int64)[:, None, None] * stride_bn
+                    for r0 in range(0, R, BLOCK_R):
+                        rr = r0 + tl.arange(0, BLOCK_R)
+                        hmask = rmask[:, None] & (rr < R)[None, :]
+                        h = tl.load(H + r.to(tl.int64)[:, None] * stride_hm + rr[None, :], mask=hmask, other=0.0)
+                        b = tl.load(b_ptr + rr[None, None, :], mask=cmask[:, None, None] & hmask[None, :, :], other=0.0)
+                        acc += tl.sum(b.to(tl.float32) * h[None, :, :], axis=2) * s[None, :]
                 y_ptr = Y + r.to(tl.int64)[None, :] * stride_ym + cols[:, None]
                 tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
 
@@ -110,18 +124,36 @@ def takes(x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor) -> b
     )
 
 
+class ExpertLora(NamedTuple):
+    """The batch's LoRA term of an expert product, over (expert, adapter group) pairs: ``A``
+    ``[E·G, r, K]`` and ``B`` ``[E·G, N, r]`` (pair ``e·G + g``), each row's ``scale`` and
+    ``group`` (rows sorted by expert, then group), ``groups`` (G) and ``offsets``, the pairs' int32
+    row ends ``[E·G]``. Row ``i`` of expert ``e`` gets ``scale[i] · (x_i A[p]ᵀ) B[p]ᵀ``."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: torch.Tensor
+    group: torch.Tensor
+    groups: int
+    offsets: torch.Tensor
+
+
 def expert_product(
     x: torch.Tensor,
     rows: torch.Tensor | None,
     weight: torch.Tensor,
     offsets: torch.Tensor,
     scale_inv: torch.Tensor | None = None,
+    lora: ExpertLora | None = None,
 ) -> torch.Tensor:
-    """:func:`expert_linear`, or where it fails (turning it off, with a warning) the grouped product
-    of the gathered rows, on the dequantised weights for an e4m3 ``weight``."""
+    """:func:`expert_linear`, or where it fails (turning it off, with a warning) the grouped products
+    of the gathered rows, on the dequantised weights for an e4m3 ``weight``. For passes without
+    gradients (the sampler's)."""
+    if torch.is_grad_enabled() and (x.requires_grad or (lora is not None and lora.A.requires_grad)):
+        raise ValueError("expert_product: the decode-shaped product has no gradient")
     if available(x):
         try:
-            return expert_linear(x, rows, weight, offsets, scale_inv)
+            return expert_linear(x, rows, weight, offsets, scale_inv, lora=lora)
         except Exception as e:
             if fused.INTERPRET:
                 raise
@@ -130,7 +162,12 @@ def expert_product(
                           stacklevel=2)
     if scale_inv is not None:
         weight = quant.dequant_fp8_block(weight, scale_inv).to(x.dtype)
-    return grouped_linear(x if rows is None else x[rows], weight, offsets)
+    xs = x if rows is None else x[rows]
+    y = grouped_linear(xs, weight, offsets)
+    if lora is not None:
+        h = grouped_linear(xs, lora.A, lora.offsets) * lora.scale[:, None]
+        y = y + grouped_linear(h, lora.B, lora.offsets)
+    return y
 
 
 def expert_linear(
@@ -141,12 +178,15 @@ def expert_linear(
     scale_inv: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     block_n: int = BLOCK,
+    lora: ExpertLora | None = None,
 ) -> torch.Tensor:
     """``y[i] = x[rows[i]] @ W[e].T`` for the rows ``i`` of expert ``e`` (``offsets``: int32
     cumulative row ends per expert, as for ``torch._grouped_mm``; ``rows`` None: ``x``'s own rows)
     -> ``[R, N]`` in ``out_dtype`` (default ``x``'s dtype). ``weight`` ``[E, N, K]``: bf16/fp16
     (``x`` is read in its dtype), or e4m3 with ``scale_inv`` ``[E, N/128, K/128]`` (``x`` is then
-    quantised per 1 × 128 block here). Products accumulate in fp32 and are rounded once."""
+    quantised per 1 × 128 block here). With ``lora``, its term is added to the fp32 accumulator
+    before the one rounding: the shrink ``x·A[p]ᵀ`` is one launch of this kernel over the pairs
+    (fp32, from ``x`` unquantised), the expand is in the product's own epilogue."""
     E, N, K = weight.shape
     R = x.shape[0] if rows is None else rows.shape[0]
     if offsets.shape != (E,):
@@ -160,6 +200,17 @@ def expert_linear(
     y = torch.empty(R, N, device=x.device, dtype=out_dtype or x.dtype)
     if R == 0:
         return y
+    if lora is not None:
+        pairs, rank = E * lora.groups, lora.A.shape[1]
+        if lora.A.shape != (pairs, rank, K) or lora.B.shape != (pairs, N, rank) or lora.offsets.shape != (pairs,) \
+                or lora.scale.shape != (R,) or lora.group.shape != (R,):
+            raise ValueError(f"expert_linear: LoRA factors {tuple(lora.A.shape)} / {tuple(lora.B.shape)} for {E} "
+                             f"experts × {lora.groups} groups, weight {tuple(weight.shape)}, {R} rows")
+        h = expert_linear(x, rows, lora.A, lora.offsets, out_dtype=torch.float32, block_n=16)
+        lb = lora.B if lora.B.stride(-1) == 1 else lora.B.contiguous()
+        lora_args = (h, lora.group, lb, lora.scale, rank, lora.groups, h.stride(0), lb.stride(0), lb.stride(1))
+    else:
+        lora_args = (y, y, y, y, 0, 1, 0, 0, 0)  # unused
     if scaled:
         xq, xs = fp8_quant.quantize_act_fp8(x)
     else:
@@ -170,8 +221,9 @@ def expert_linear(
         xq, xs, rows if rows is not None else offsets, weight, scale_inv if scaled else weight, y, offsets, N, K,
         xq.stride(0), xs.stride(0) if scaled else 0, weight.stride(0), weight.stride(1),
         scale_inv.stride(0) if scaled else 0, scale_inv.stride(1) if scaled else 0, y.stride(0),
-        HAS_ROWS=rows is not None, SCALED=scaled,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK if scaled or K % BLOCK == 0 else 64,
+        *lora_args,
+        HAS_ROWS=rows is not None, SCALED=scaled, LORA=lora is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK if scaled or K % BLOCK == 0 else 64, BLOCK_R=4,
         num_warps=4, num_stages=4,
     )
     return y

@@ -183,6 +183,54 @@ if HAVE_TRITON:
         tl.store(y_base + rest, v, mask=m_rest)
 
     @triton.jit
+    def _norm_rope_heads(X, W, COS, SIN, Y, t, stride_xt, stride_xh, stride_yt, stride_yh, stride_c, n_heads,
+                         rot_half, head_dim, eps, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        # token t's heads: RMSNorm (as _rmsnorm_fwd, rounded to Y's dtype) then the rotation (as _rope)
+        hh = tl.arange(0, BLOCK_H)[:, None]
+        i = tl.arange(0, BLOCK)[None, :]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        m_rot = (hh < n_heads) & (i < rot_half)
+        rest = 2 * rot_half + d
+        m_rest = (hh < n_heads) & (rest < head_dim)
+        x_base = X + t * stride_xt + hh * stride_xh
+        x1 = tl.load(x_base + i, mask=m_rot, other=0.0).to(tl.float32)
+        x2 = tl.load(x_base + rot_half + i, mask=m_rot, other=0.0).to(tl.float32)
+        xr = tl.load(x_base + rest, mask=m_rest, other=0.0).to(tl.float32)
+        if NORM:
+            row = tl.load(x_base + d, mask=(hh < n_heads) & (d < head_dim), other=0.0).to(tl.float32)
+            rstd = (1.0 / tl.sqrt(tl.sum(row * row, axis=1) / head_dim + eps))[:, None]
+            w1 = tl.load(W + i, mask=i < rot_half, other=0.0).to(tl.float32)
+            w2 = tl.load(W + rot_half + i, mask=i < rot_half, other=0.0).to(tl.float32)
+            wr = tl.load(W + rest, mask=rest < head_dim, other=0.0).to(tl.float32)
+            if ZERO_CENTRED:
+                x1 = (x1 * rstd * (1.0 + w1)).to(Y.dtype.element_ty).to(tl.float32)
+                x2 = (x2 * rstd * (1.0 + w2)).to(Y.dtype.element_ty).to(tl.float32)
+                xr = xr * rstd * (1.0 + wr)
+            else:
+                x1 = ((x1 * rstd).to(Y.dtype.element_ty).to(tl.float32) * w1).to(Y.dtype.element_ty).to(tl.float32)
+                x2 = ((x2 * rstd).to(Y.dtype.element_ty).to(tl.float32) * w2).to(Y.dtype.element_ty).to(tl.float32)
+                xr = (xr * rstd).to(Y.dtype.element_ty).to(tl.float32) * wr
+        c = tl.load(COS + t * stride_c + i, mask=i < rot_half, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * stride_c + i, mask=i < rot_half, other=0.0).to(tl.float32)
+        y_base = Y + t * stride_yt + hh * stride_yh
+        tl.store(y_base + i, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=m_rot)
+        tl.store(y_base + rot_half + i, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=m_rot)
+        tl.store(y_base + rest, xr.to(Y.dtype.element_ty), mask=m_rest)
+
+    @triton.jit
+    def _qk_norm_rope(Q, K, QW, KW, COS, SIN, QO, KO, stride_qt, stride_qh, stride_kt, stride_kh, stride_qot,
+                      stride_qoh, stride_kot, stride_koh, stride_c, n_q, n_k, rot_half, head_dim, eps_q, eps_k,
+                      NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                      BLOCK_HK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per token: its query heads, then its key heads
+        t = tl.program_id(0)
+        _norm_rope_heads(Q, QW, COS, SIN, QO, t, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c, n_q,
+                         rot_half, head_dim, eps_q, NORM, ZERO_CENTRED, BLOCK_HQ, BLOCK, BLOCK_D)
+        _norm_rope_heads(K, KW, COS, SIN, KO, t, stride_kt, stride_kh, stride_kot, stride_koh, stride_c, n_k,
+                         rot_half, head_dim, eps_k, NORM, ZERO_CENTRED, BLOCK_HK, BLOCK, BLOCK_D)
+
+    @triton.jit
     def _tanh(x):
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
@@ -427,6 +475,33 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: fl
                 rot_half, D, SIGN=sign, BLOCK_H=triton.next_power_of_2(H), BLOCK=block,
                 BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return y
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 eps_q: float, eps_k: float, zero_centred: bool, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated RMSNorms of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (weights None: the
+    rotation alone) in one launch, without gradients: each head's norm is rounded to the input's
+    dtype before the rotation, as :class:`RMSNormFn` then :class:`RopeFn` give. Heads are read
+    through their strides (a packed projection's column slices are not copied)."""
+    (T, Hq, D), Hk = q.shape, k.shape[1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    norm = q_weight is not None
+    qo = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    ko = torch.empty((T, Hk, D), dtype=k.dtype, device=k.device)
+    if T == 0:
+        return qo, ko
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rot_half = cos.shape[-1] // 2
+    _qk_norm_rope[(T,)](
+        q, k, q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), Hq, Hk,
+        rot_half, D, eps_q, eps_k, NORM=norm, ZERO_CENTRED=zero_centred, BLOCK_HQ=triton.next_power_of_2(Hq),
+        BLOCK_HK=triton.next_power_of_2(Hk), BLOCK=triton.next_power_of_2(max(rot_half, 1)),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+    )
+    return qo, ko
 
 
 class RopeFn(torch.autograd.Function):

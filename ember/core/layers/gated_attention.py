@@ -19,7 +19,7 @@ from ember.core.layers.activations import sigmoid_gate
 from ember.core.layers.lora import LoraLinear
 from ember.core.layers.norms import RMSNorm
 from ember.core.layers.qsa import QSAIndexer, selected_attention
-from ember.core.layers.rope import RotaryEmbedding, apply_rope
+from ember.core.layers.rope import RotaryEmbedding, norm_rope
 
 if TYPE_CHECKING:
     from ember.core.models.base import ForwardContext
@@ -48,11 +48,10 @@ class GatedAttention(nn.Module):
         T, d = x.shape[0], self.head_dim
         selection = self.indexer(x, ctx, self.rotary) if self.indexer is not None else None
         q, gate = self.q_proj(x, ctx.lora).view(T, -1, 2 * d).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x, ctx.lora).view(T, -1, d))
+        k = self.k_proj(x, ctx.lora).view(T, -1, d)
         v = self.v_proj(x, ctx.lora).view(T, -1, d)
         cos, sin = ctx.rope(self.rotary, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = norm_rope(q, k, self.q_norm, self.k_norm, cos, sin)
         if selection is None:
             o = ctx.attend(self.layer, q, k, v, self.spec, self.scale)
         elif getattr(ctx.attend, "accepts_selection", False):

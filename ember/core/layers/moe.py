@@ -121,22 +121,13 @@ class _ExpertProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, rows, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None, split=False,
-                weight_scale=None, decode=False):
+    def forward(ctx, x, rows, weight, offsets, lora_offsets, lora_scale, A, B, inverse=None, split=False):
         ctx.inverse = inverse  # rows' inverse permutation (ExpertRows.inverse): gx sums them without atomics
         ctx.split = split
-        xs = None
-        if decode:
-            # decode-shaped, without gradients (or the fp8 rollout copy, ``weight_scale`` its tile
-            # scales): each expert's weight streamed once against its few rows, gathered by index
-            # in the kernel (expert_decode)
-            y = expert_decode.expert_product(x, rows, weight, offsets, weight_scale)
-        else:
-            xs = x if rows is None else x[rows]
-            y = grouped_linear(xs, weight, offsets)
+        xs = x if rows is None else x[rows]
+        y = grouped_linear(xs, weight, offsets)
         h = correction = None
         if A is not None:
-            xs = (x if rows is None else x[rows]) if xs is None else xs
             h = grouped_linear(xs, A, lora_offsets) * lora_scale[:, None]
             correction = grouped_linear(h, B, lora_offsets)
             if not split:
@@ -166,7 +157,7 @@ class _ExpertProjection(torch.autograd.Function):
             if gxs_lora is not None:
                 gxs = gxs + gxs_lora
             gx = gxs if rows is None else torch.zeros_like(x).index_add_(0, rows, gxs)
-        return gx, None, gW, None, None, None, gA, gB, None, None, None, None
+        return gx, None, gW, None, None, None, gA, gB, None, None
 
 
 def sum_rows(rows: torch.Tensor, inverse: torch.Tensor, tokens: int, fp32: bool = False,
@@ -321,19 +312,22 @@ class Experts(nn.Module):
 
         def project(inp, rows, w, suffix, split=False):
             w, w_scale = w
-            # decided here, where the caller's grad mode holds (a Function's forward runs without)
-            decode = w_scale is not None or expert_decode.takes(inp, rows, w)
             factors = None
             if lora is not None:
                 factors = lora.expert_factors(f"{self.lora_name}.{suffix}", group, inp.dtype)
+            if w_scale is not None or expert_decode.takes(inp, rows, w):
+                # decode-shaped, without gradients (or the fp8 rollout copy, ``w_scale`` its tile
+                # scales): each expert's weight streamed once against its few rows, gathered by
+                # index in the kernel, the LoRA term added in the same pass (expert_decode)
+                extra = None if factors is None else expert_decode.ExpertLora(*factors, group, groups, lora_offsets)
+                y = expert_decode.expert_product(inp, rows, w, expert_offsets, w_scale, extra)
+                return (y, None) if split else y
             inv = inverse if rows is not None else None
             if factors is None:
-                y = _ExpertProjection.apply(inp, rows, w, expert_offsets, None, None, None, None, inv, False, w_scale,
-                                            decode)
+                y = _ExpertProjection.apply(inp, rows, w, expert_offsets, None, None, None, None, inv)
                 return (y, None) if split else y
             A, B, scale_rows = factors
-            return _ExpertProjection.apply(inp, rows, w, expert_offsets, lora_offsets, scale_rows, A, B, inv, split,
-                                           w_scale, decode)
+            return _ExpertProjection.apply(inp, rows, w, expert_offsets, lora_offsets, scale_rows, A, B, inv, split)
 
         # (weight, its fp8 tile scales or None): the rollout copies while the sampler uses them
         gate_up_w, down_w = (self.gate_up_proj, None), (self.down_proj, None)

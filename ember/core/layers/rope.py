@@ -65,6 +65,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rebuildable(fn(x, cos, sin), fn, x, cos, sin, chained=True)
 
 
+def norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope(q_norm(q)), rope(k_norm(k))`` for ``[T, heads, head_dim]`` queries and keys
+    (:class:`~ember.core.layers.norms.RMSNorm` modules, or both None: the rotation alone). In a pass
+    without gradients on the GPU (the sampler's: prefill and decode) one kernel does both norms and
+    both rotations, reading the heads through their strides; a decode step's attention otherwise
+    spent six launches here (two copies of the packed projection's strided heads, two norms, two
+    rotations). The values are those of the separate kernels."""
+    if q_norm is None:
+        fusable = True
+    else:
+        w = q_norm.weight
+        fusable = (q_norm.zero_centred == k_norm.zero_centred and w.dtype == k_norm.weight.dtype == q.dtype == k.dtype)
+    if fusable and not torch.is_grad_enabled() and fused.use_triton(q, k, cos):
+        if q_norm is None:
+            return fused.qk_norm_rope(q, k, None, None, 0.0, 0.0, False, cos, sin)
+        return fused.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, q_norm.zero_centred,
+                                  cos, sin)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos[:, None, :], sin[:, None, :]
     rd = cos.shape[-1]

@@ -15,7 +15,7 @@ from ember.core.layers.lora import LoraLinear
 from ember.core.layers.mlp import SwiGLU
 from ember.core.layers.moe import SparseMoE
 from ember.core.layers.norms import RMSNorm
-from ember.core.layers.rope import RotaryEmbedding, apply_rope
+from ember.core.layers.rope import RotaryEmbedding, norm_rope
 from ember.core.models.base import CausalLM, ForwardContext
 
 
@@ -42,10 +42,8 @@ class Attention(nn.Module):
         q = self.q_proj(x, ctx.lora).view(T, -1, d)
         k = self.k_proj(x, ctx.lora).view(T, -1, d)
         v = self.v_proj(x, ctx.lora).view(T, -1, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope(self.rotary, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = norm_rope(q, k, self.q_norm, self.k_norm, cos, sin)
         o = ctx.attend(self.layer, q, k, v, self.spec, self.scale)
         return self.o_proj(o.reshape(T, -1), ctx.lora)
 

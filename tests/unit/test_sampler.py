@@ -184,6 +184,20 @@ def test_seeds_reproducible_and_samples_differ(hf_models):
     assert derive_seed(11, 0) != derive_seed(11, 1) != derive_seed(12, 0)
 
 
+def test_seeded_uniforms_are_the_scalar_numbers():
+    """A decode step's uniforms, hashed for all rows at once in NumPy, are bit for bit the scalar
+    hash's (full 64-bit seeds, negative seeds masked, steps from 0 up)."""
+    from ember.core.sampling.logits import seeded_uniform, seeded_uniforms
+
+    rng = np.random.default_rng(0)
+    seeds = [int(x) for x in rng.integers(0, 2**63, 200)] + [2**64 - 1, 0, -5, derive_seed(7, 3)]
+    steps = [int(x) for x in rng.integers(0, 70_000, len(seeds))]
+    got = seeded_uniforms(seeds, steps)
+    assert got.dtype == np.float64 and got.shape == (len(seeds),)
+    assert got.tolist() == [seeded_uniform(a, b) for a, b in zip(seeds, steps)]
+    assert ((got > 0) & (got < 1)).all()
+
+
 def _expected_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """float64 reference of the filtered sampling distribution (top-k, then top-p on the renormalised
     probabilities, keeping the smallest most-likely set reaching top_p)."""

@@ -23,6 +23,12 @@ another call on an H100).
   scaled by ``scale_inv · x_scale`` as in :mod:`ember.core.kernels.fp8_gemm` (W8A8, DeepSeek-V3's
   recipe).
 
+* the batch's LoRA on the experts (:class:`ExpertLora`): its shrink ``x·A[p]ᵀ`` (rank ≤ 32 per
+  expert) is one launch of the same kernel over the (expert, adapter group) pairs, and its expand
+  ``scale · h·B[p]ᵀ`` is added in the product's epilogue, row by row (a tile's rows may belong to
+  several adapters), before the one rounding. The path before ran a gather, two grouped products
+  (CUTLASS, ~29 µs each on an H200 at 4 rows per expert), a scale and an add per projection.
+
 The launch depends only on shapes (``offsets`` stays on the device), so a decode step captures it.
 ``bench/fp8_decode_gemm.py --only experts`` times it against ``torch._grouped_mm``.
 """

@@ -41,7 +41,7 @@ class DecodeBatch:
     # plain draw of each row, where the decoder samples in its step (the static decoder): inverse
     # temperature (0: greedy) and uniform number; None: the decoder only returns logits
     inv_temperature: list[float] | None = None
-    uniforms: list[float] | None = None
+    uniforms: Sequence[float] | None = None
     # > 0: that decoder also returns the head of each row's distribution (``head_record``), for
     # the stability record of untruncated sampling
     record_head: int = 0

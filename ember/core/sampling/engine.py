@@ -65,6 +65,7 @@ from ember.core.sampling.logits import (
     plain,
     sample_rows,
     seeded_uniform,
+    seeded_uniforms,
     topk_logprobs,
 )
 from ember.core.sampling.requests import (
@@ -593,7 +594,7 @@ class SamplingEngine:
             block_tables=[s.pages for s in seqs],
             record_routing=any(q.record_routing for q in reqs),
             inv_temperature=[1.0 / q.temperature if q.temperature > 0 else 0.0 for q in reqs],
-            uniforms=[seeded_uniform(s.seed, len(s.tokens)) for s in seqs],
+            uniforms=seeded_uniforms([s.seed for s in seqs], [len(s.tokens) for s in seqs]),
             record_head=max((q.record_support for q in reqs
                              if q.record_support and plain(q.temperature, q.top_k, q.top_p, self.vocab)), default=0),
             histories=[(q.prompt, s.tokens) for q, s in zip(reqs, seqs)],

@@ -53,6 +53,22 @@ def seeded_uniform(seed: int, step: int) -> float:
     return ((h >> 11) + 0.5) / float(1 << 53)
 
 
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`splitmix64` of each element of a ``uint64`` array (NumPy's uint64 products wrap)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+    """:func:`seeded_uniform` of each ``(seeds[i], steps[i])``, the same numbers, as one fp64 array
+    (a decode step's rows at once instead of a Python hash per row)."""
+    s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
+    h = _splitmix64_array(s ^ _splitmix64_array(np.asarray(steps, dtype=np.uint64) + np.uint64(0x5EED0000)))
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
 def head_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,

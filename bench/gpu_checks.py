@@ -349,11 +349,14 @@ def _norm_rope_case(name, T, Hq, Hk, D, zc, partial, dev, gen) -> None:
 
     with torch.no_grad():
         (rq, rk), (gq, gk) = separate(), together()
+        # the same values but where rstd, summed in another order, rounds a norm output the other
+        # way: few values, by about a bf16 step of the head's scale
         differ = int((rq != gq).sum() + (rk != gk).sum())
-        worst = max(float(((gq.float() - rq.float()).abs() / rq.float().abs().clamp_min(1e-30)).max()),
-                    float(((gk.float() - rk.float()).abs() / rk.float().abs().clamp_min(1e-30)).max()))
-        report(f"norm_rope {name}: {differ} of {rq.numel() + rk.numel()} values differ; largest relative", worst,
-               8e-3)
+        total = rq.numel() + rk.numel()
+        report(f"norm_rope {name}: {differ} of {total} values differ; share", differ / total, 1e-4)
+        worst = max(float(((gq.float() - rq.float()).abs().amax(-1) / rq.float().abs().amax(-1)).max()),
+                    float(((gk.float() - rk.float()).abs().amax(-1) / rk.float().abs().amax(-1)).max()))
+        report(f"norm_rope {name}: largest difference / its head's largest value", worst, 1e-2)
         if T == 64:
             print(f"    {name} decode shape: separate {graph_us([separate] * 20):.1f} us, "
                   f"fused {graph_us([together] * 20):.1f} us", flush=True)

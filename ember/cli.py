@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="precision of the sampler's copy of the base attention/MLP projections and routed "
                        "experts (not embeddings, norms, routers or the LM head): bf16 (the model's own weights), "
                        "fp8 (e4m3 with 128x128 block scales, half the weight bytes, on Hopper: W8A8 products through "
-                       "Triton kernels at decode batch sizes and scaled_mm above; 9.4 against 10.4 ms a bf16 step "
+                       "Triton kernels at decode batch sizes and scaled_mm above; 8.4 against 9.6 ms a bf16 step "
                        "for 64 sequences of a Qwen3-8B on an H100, docs/performance.md; else quantise-dequantise) or "
                        "mxfp8 (OCP MX: 32-element blocks with E8M0 scales, quantise-dequantise). Adapters stay in "
                        "the model dtype and training keeps the model's weights (default bf16)")

@@ -7,9 +7,12 @@ every sequence generates exactly --new tokens):
 
 * a          --prompts (64) prompts x --prompt-len (128) tokens -> --new (256) tokens, one adapter,
              adapter bank of 1 slot
+* a-sync     workload a with each decode step read back before the next is queued
+             (``overlap_decode`` off; a queues the next step first)
 * a-32slots  the same with 32 adapter slots configured and all filled (cost of configured slots)
 * b          --mixed-prompts (256) prompts over --adapters (8) adapters, round robin
 * b-1        the same prompts with one adapter (b / b-1 is the cost of mixing adapters)
+* b-sync     workload b with ``overlap_decode`` off
 * a-par      workload a on an engine of --nproc processes (--ep / --tp), every rank running the same
              sequences as the engine samples (experts' shares all-reduced); the floor is per GPU
 * hf         transformers generate on a PEFT model (same weights) for workload a, with the default
@@ -164,6 +167,7 @@ def run_ember(
     static: bool | None,
     keep: bool = False,
     precision: str = "bf16",
+    overlap: bool = True,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -178,6 +182,7 @@ def run_ember(
         cuda_graphs=graphs,
         static_decode=static,
         rollout_precision=precision,
+        overlap_decode=overlap,
     )
     sync()
     t_start = time.perf_counter()
@@ -408,7 +413,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--only", default="a,a-32slots,b,b-1,hf,gap",
-        help="comma list of workloads (also: a-par, grpo, grpo-noshare, stall, stall-whole)",
+        help="comma list of workloads (also: a-sync and b-sync, a and b with each decode step read back before "
+        "the next is queued; a-par, grpo, grpo-noshare, stall, stall-whole)",
     )
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                     help="workload a (and gap): the sampler's copy of the base weights (the trainer stays bf16)")
@@ -438,7 +444,11 @@ def main() -> None:
     plan = {
         "a": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only,
                                precision=args.rollout_precision),
+        "a-sync": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static,
+                                    precision=args.rollout_precision, overlap=False),
         "a-32slots": lambda: run_ember(model, prompts, args.new, 1, 32, 32, args.rank, graphs, static),
+        "b-sync": lambda: run_ember(model, mixed, args.new, args.adapters, max(32, args.adapters), args.adapters,
+                                    args.rank, graphs, static, overlap=False),
         "b": lambda: run_ember(
             model, mixed, args.new, args.adapters, max(32, args.adapters), args.adapters, args.rank, graphs, static
         ),

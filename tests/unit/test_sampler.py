@@ -340,6 +340,65 @@ def test_static_decode_path_equals_eager(family, hf_models):
             np.testing.assert_allclose(y.logprobs, x.logprobs, atol=1e-5, rtol=0)
 
 
+def _overlap_run(path, overlap: bool, prompts, stops):
+    """Requests through the engine's own loop (static decoder), three of them submitted after the
+    third step; returns the results, how many steps ended with a step queued, and the rows the
+    decoder ran."""
+    from ember.core.sampling import StopRule
+
+    worker = _worker(path, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True,
+                                         overlap_decode=overlap))
+    slots = _adapters(worker, CONFIGS)
+    eng = worker.sampler
+    rows = []
+    run = eng.static.run
+    eng.static.run = lambda batch, *a: rows.append(len(batch)) or run(batch, *a)
+
+    def req(i, p):
+        return GenerationRequest(p, [1, 2, 6, 9, 4, 11, 7][i], [10 + i, 20 + i][: 1 + i % 2],
+                                 slot=([0] + slots)[i % 4], temperature=[0.0, 1.0, 0.7][i % 3],
+                                 stop=stops if i % 3 == 1 else StopRule(), topk_sample=2 if i == 6 else 0)
+
+    handles = [eng.submit(req(i, p)) for i, p in enumerate(prompts[:4])]
+    done, queued = {}, 0
+    for k in range(300):
+        if k == 3:  # these join while a step is queued
+            handles += [eng.submit(req(i, p)) for i, p in enumerate(prompts[4:], start=4)]
+        done.update(eng.step())
+        queued += eng._inflight is not None
+        if k > 3 and eng.idle:
+            break
+    assert eng.idle and eng._inflight is None
+    _no_leak(worker)
+    return [done[h] for h in handles], queued, sum(rows)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_overlapped_decode_gives_the_same_samples(family, hf_models):
+    """``overlap_decode`` queues each static decode step before the previous one is read back
+    (inputs from its draws on the device): the same tokens and logprobs as steps read back at
+    once, with rows ending by length and by stop tokens, several samples per request, mixed
+    adapters, requests joining while a step is queued, and one that asks for top-k logprobs (its
+    steps run synchronously); nothing is left queued or reserved after the run, and the only rows
+    decoded for nothing are one step of each sequence a stop token ended."""
+    from ember.core.sampling import StopRule
+
+    _, path = hf_models[family]
+    prompts = random_sequences(VOCAB, [5, 9, 3, 12, 7, 4, 8], seed=41)
+    stops = StopRule(token_ids=frozenset(range(1, VOCAB, 3)))  # a third of the vocabulary: stops early
+    (plain, q0, rows0), (overlapped, q1, rows1) = (_overlap_run(path, o, prompts, stops) for o in (False, True))
+    assert q0 == 0 and q1 > 5
+    assert {s.stop_reason for r in overlapped for s in r.sequences} == {"stop", "length"}
+    stopped = sum(s.stop_reason == "stop" for r in overlapped for s in r.sequences)
+    assert rows0 <= rows1 <= rows0 + stopped
+    for a, b in zip(plain, overlapped):
+        for x, y in zip(a.sequences, b.sequences):
+            assert x.tokens.tolist() == y.tokens.tolist() and x.stop_reason == y.stop_reason
+            np.testing.assert_allclose(y.logprobs, x.logprobs, atol=1e-5, rtol=0)
+            if x.topk_ids is not None:
+                assert np.array_equal(x.topk_ids, y.topk_ids)
+
+
 def _train(worker, slot, steps=3):
     seq = random_sequences(VOCAB, [12], seed=8)[0]
     datum = Datum(np.array(seq[:-1]), {"target_tokens": np.array(seq[1:]), "weights": np.ones(11, np.float32)})

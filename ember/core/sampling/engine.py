@@ -112,6 +112,11 @@ class SamplerConfig:
       or target prompt logprobs, prompt alternatives, routing records) compute their whole prompt.
       Pages kept for later prompts are reclaimed, least recently used first, when an allocation
       finds no free page.
+    * ``overlap_decode``: with the static decoder, queue each decode step before reading the
+      previous one back, its rows' input tokens taken from the previous draws on the device, so
+      the host's share of a step runs while the GPU decodes (:meth:`SamplingEngine._decode`; rows
+      that sample with top-k/top-p or record anything from the logits or the routing make the
+      step synchronous). The tokens are the same either way.
     """
 
     max_seqs: int = 256
@@ -125,6 +130,7 @@ class SamplerConfig:
     buckets: tuple[int, ...] | None = None
     rollout_precision: str = "bf16"
     prefix_sharing: bool = True
+    overlap_decode: bool = True
 
 
 class StepRecord(NamedTuple):
@@ -139,7 +145,8 @@ class StepRecord(NamedTuple):
 
 @dataclass
 class EngineStats:
-    """Counters and timings (host wall time; each decode step ends in a device sync)."""
+    """Counters and timings (host wall time; a decode step is timed from the start of the call
+    that reads it back to its end: with ``overlap_decode`` that call also queues the next step)."""
 
     prefill_passes: int = 0
     prefill_tokens: int = 0
@@ -167,6 +174,15 @@ class EngineStats:
 STATIC_FAMILIES = {t for t, cls in FAMILIES.items() if cls.static_decode}
 CHUNK_FAMILIES = {t for t, cls in FAMILIES.items() if cls.chunked_prefill}
 PREFIX_FAMILIES = {t for t, cls in FAMILIES.items() if cls.prefix_sharing}
+
+
+class _Queued(NamedTuple):
+    """A decode step queued on the device and not read back yet (``SamplingEngine._queue``)."""
+
+    seqs: list[SequenceState]
+    chosen: torch.Tensor  # the step's draws on the device, fp64 [2, rows]: token ids, logprobs
+    drawn: torch.Tensor  # their host copy (pinned on CUDA), filled behind the step
+    done: torch.cuda.Event | None  # recorded after the copy (None off CUDA: the copy is done)
 
 
 class SamplingEngine:
@@ -224,6 +240,7 @@ class SamplingEngine:
         self._adapter_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_handle = 0
         self._next_seq = 0
+        self._inflight: _Queued | None = None  # the decode step queued and not read back (overlap_decode)
 
     def _default_kv_tokens(self, dtype: torch.dtype) -> int:
         cfg = self.config
@@ -578,27 +595,81 @@ class SamplingEngine:
     # -- decode ----------------------------------------------------------------------------------
 
     def _decode(self, finished: dict[int, GenerationResult]) -> int:
+        """One decode step of the running sequences; returns the tokens it added.
+
+        With ``overlap_decode`` (the static decoder, every row plain) the step is queued before the
+        host reads the previous one back: its rows that were in the previous step take that step's
+        draws on the device, and the host's share of a step (reading the draws, stop rules,
+        bookkeeping, the next step's inputs) runs while the GPU decodes. So each call completes the
+        step queued by the call before and queues the next; a row whose previous token ends it by
+        length is not queued again, one that a stop token ends has computed one step for nothing
+        (its keys go to its own pages, within its reservation, and its draw is dropped)."""
         t0 = time.perf_counter()
-        ps = self.cache.page_size
+        prev, self._inflight = self._inflight, None
         seqs = sorted(self.scheduler.running, key=lambda s: (s.slot, s.id))
-        for s in seqs:
-            if s.cached == len(s.pages) * ps:
+        nxt = None
+        if self._overlaps(seqs):
+            if prev is not None:
+                pending = {id(s) for s in prev.seqs}
+                seqs = [s for s in seqs
+                        if not (id(s) in pending and len(s.tokens) + 1 >= s.request.request.max_tokens)]
+            if seqs:
+                nxt = self._queue(seqs, prev)
+        if prev is not None:
+            n = self._complete(prev, finished)
+        elif nxt is None:
+            n = self._step_now(seqs, finished)
+        else:
+            n = 0  # the first step of a run is only queued
+        if nxt is not None and any(s.stop_reason is None for s in nxt.seqs):
+            self._inflight = nxt
+        if n:
+            dt = time.perf_counter() - t0
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += n
+            self.stats.decode_seconds += dt
+            self.stats.step_times.append((n, dt))
+        return n
+
+    def _overlaps(self, seqs: list[SequenceState]) -> bool:
+        """Whether the step of ``seqs`` may be queued ahead of the host: the static decoder draws
+        every row's token in its step (plain sampling, nothing the host must compute from the
+        logits or the routing) and reads no token history (n-gram memory)."""
+        if not (self.config.overlap_decode and self.static is not None and not self.static.ngrams):
+            return False
+        return all(
+            not (q.record_routing or q.record_support or q.topk_sample)
+            and plain(q.temperature, q.top_k, q.top_p, self.vocab)
+            for q in (s.request.request for s in seqs)
+        )
+
+    def _batch(self, seqs: list[SequenceState], ahead: list[int]) -> DecodeBatch:
+        """The decode batch of ``seqs``; ``ahead[i]`` = 1 where row ``i``'s input token is a draw
+        still on the device (its position and uniform number one further than the host knows)."""
+        ps = self.cache.page_size
+        positions = [s.cached + a for s, a in zip(seqs, ahead)]
+        for s, p in zip(seqs, positions):
+            if p == len(s.pages) * ps:
                 s.pages.append(self.cache.allocate())
         reqs = [s.request.request for s in seqs]
-        batch = DecodeBatch(
+        return DecodeBatch(
             seq_ids=[s.id for s in seqs],
             slots=[s.slot for s in seqs],
-            input_ids=[s.tokens[-1] for s in seqs],
-            positions=[s.cached for s in seqs],
-            slot_mapping=[s.pages[s.cached // ps] * ps + s.cached % ps for s in seqs],
+            input_ids=[0 if a else s.tokens[-1] for s, a in zip(seqs, ahead)],
+            positions=positions,
+            slot_mapping=[s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)],
             block_tables=[s.pages for s in seqs],
             record_routing=any(q.record_routing for q in reqs),
             inv_temperature=[1.0 / q.temperature if q.temperature > 0 else 0.0 for q in reqs],
-            uniforms=seeded_uniforms([s.seed for s in seqs], [len(s.tokens) for s in seqs]),
+            uniforms=seeded_uniforms([s.seed for s in seqs], [len(s.tokens) + a for s, a in zip(seqs, ahead)]),
             record_head=max((q.record_support for q in reqs
                              if q.record_support and plain(q.temperature, q.top_k, q.top_p, self.vocab)), default=0),
             histories=[(q.prompt, s.tokens) for q, s in zip(reqs, seqs)],
         )
+
+    def _step_now(self, seqs: list[SequenceState], finished: dict[int, GenerationResult]) -> int:
+        """A decode step run and read back at once (any decoder, any sampling parameters)."""
+        batch = self._batch(seqs, [0] * len(seqs))
         raw, record, chosen = self._run_decoder(batch)
         for s in seqs:
             s.cached += 1
@@ -611,11 +682,47 @@ class SamplingEngine:
         for s in seqs:
             if s.stop_reason is not None:
                 self._finish(s, finished)
-        dt = time.perf_counter() - t0
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(seqs)
-        self.stats.decode_seconds += dt
-        self.stats.step_times.append((len(seqs), dt))
+        return len(seqs)
+
+    def _queue(self, seqs: list[SequenceState], prev: _Queued | None) -> _Queued | None:
+        """Queue the static decoder's step of ``seqs`` without waiting for it (None if the decoder
+        failed: it is then off and the rows decode eagerly from the next step). Rows of ``prev``
+        take their input token from its draws on the device; the draws of this step are copied to
+        the host behind it."""
+        where = {id(s): i for i, s in enumerate(prev.seqs)} if prev is not None else {}
+        src = [where.get(id(s), -1) for s in seqs]
+        batch = self._batch(seqs, [int(i >= 0) for i in src])
+        try:
+            _, _, chosen = self.static.run(batch, None if prev is None else (prev.chosen, src))
+        except Exception as e:  # a GPU-only path: keep sampling, eagerly
+            if self.device.type != "cuda":
+                raise
+            graphs_failed(e)
+            self.static = None
+            return None
+        chosen = chosen[:2]
+        on_gpu = chosen.is_cuda
+        drawn = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=on_gpu)
+        drawn.copy_(chosen, non_blocking=on_gpu)
+        done = None
+        if on_gpu:
+            done = torch.cuda.Event()
+            done.record()
+        return _Queued(seqs, chosen, drawn, done)
+
+    def _complete(self, q: _Queued, finished: dict[int, GenerationResult]) -> int:
+        """Read a queued step back: its rows' tokens, stop rules, finished sequences. Rows whose
+        sequence ended at the step before are dropped."""
+        if q.done is not None:
+            q.done.synchronize()
+        rows = [i for i, s in enumerate(q.seqs) if s.stop_reason is None]
+        seqs = [q.seqs[i] for i in rows]
+        for s in seqs:
+            s.cached += 1
+        self._sample_into(seqs, rows, None, q.drawn.numpy())
+        for s in seqs:
+            if s.stop_reason is not None:
+                self._finish(s, finished)
         return len(seqs)
 
     def _run_decoder(self, batch: DecodeBatch):
@@ -632,11 +739,13 @@ class SamplingEngine:
     # -- sampling and results --------------------------------------------------------------------
 
     def _sample_into(
-        self, seqs: list[SequenceState], rows: list[int], raw: torch.Tensor, chosen: torch.Tensor | None = None
+        self, seqs: list[SequenceState], rows: list[int], raw: torch.Tensor | None,
+        chosen: torch.Tensor | np.ndarray | None = None,
     ) -> None:
         """Sample the next token of each sequence from raw logits row ``rows[i]`` and record it.
         ``chosen`` (fp64 ``[2, rows]``: token ids, logprobs), from a decoder that drew every row's
-        plain sample in its step, is taken for the rows whose parameters are plain."""
+        plain sample in its step, is taken for the rows whose parameters are plain (``raw`` may
+        then be None when every row is plain and records nothing from the logits)."""
         reqs = [s.request.request for s in seqs]
         n = len(seqs)
         tokens: list[int] = [0] * n
@@ -645,7 +754,7 @@ class SamplingEngine:
         todo = list(range(n))
         picked = None
         if chosen is not None:
-            picked = chosen.cpu().numpy()
+            picked = chosen if isinstance(chosen, np.ndarray) else chosen.cpu().numpy()
             todo = []
             for i, q in enumerate(reqs):
                 if plain(q.temperature, q.top_k, q.top_p, self.vocab):

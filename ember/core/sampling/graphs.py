@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -592,6 +592,15 @@ class StaticDecoder:
             self._staged = torch.cuda.Event()
             self._staged.record()
 
+    def _feed(self, input_ids: torch.Tensor, chosen: torch.Tensor, src: Sequence[int]) -> None:
+        """``input_ids[i] = chosen[0, src[i]]`` where ``src[i] >= 0``, on the device (queued behind
+        the step that drew ``chosen``, before this one)."""
+        idx = torch.as_tensor(np.asarray(src, dtype=np.int64))
+        if input_ids.is_cuda:
+            idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+        drawn = chosen[0].index_select(0, idx.clamp(min=0)).to(input_ids.dtype)
+        input_ids.copy_(torch.where(idx >= 0, drawn, input_ids))
+
     def _span(self, batch: DecodeBatch) -> int:
         """0 while every row of ``batch`` is below QSA's dense threshold (or the model has no QSA);
         past it, the keys the step's selection reads: a power of two above the longest row (at
@@ -634,15 +643,23 @@ class StaticDecoder:
             chosen = torch.cat([chosen, head_record(logits, softcap, buf.floats[0], tokens, head).T])
         return logits, chosen
 
-    def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, None, torch.Tensor]:
+    def run(self, batch: DecodeBatch, feed: tuple[torch.Tensor, Sequence[int]] | None = None
+            ) -> tuple[torch.Tensor, None, torch.Tensor]:
         """Raw fp32 logits ``[B, V]`` of the step, no routing record (this path has none), and the
         plain draw of every row: fp64 ``[2, B]`` (token ids, their logprobs), followed, with
-        ``batch.record_head``, by the rows' :func:`head_record` (``[2 + 2k + 2, B]``)."""
+        ``batch.record_head``, by the rows' :func:`head_record` (``[2 + 2k + 2, B]``). The outputs
+        are the bucket's buffers: the next step of the bucket overwrites them.
+
+        ``feed`` ``(chosen, src)``: rows whose input token an earlier step drew and the host has not
+        read: row ``i`` takes ``chosen[0, src[i]]`` where ``src[i] >= 0`` (``chosen`` that step's
+        draws on the device; ``batch.input_ids[i]`` is then a placeholder)."""
         if batch.record_routing:
             raise ValueError("the static decoder records no MoE routing")
         bucket = self.bucket(len(batch))
         buf = self._buffers_for(bucket)
         self._fill(buf, batch, bucket)
+        if feed is not None:
+            self._feed(buf.input_ids[: len(batch)], *feed)
         use_lora = any(batch.slots)
         n = len(batch)
         head = batch.record_head
@@ -652,6 +669,8 @@ class StaticDecoder:
             return logits[:n], None, chosen[:, :n]
         version = self._version()
         if version != self._graph_version:  # new stacks, rollout copies quantised again, new state slabs
+            if self._graphs and torch.cuda.is_available():
+                torch.cuda.synchronize()  # a queued step may still replay one of them
             self._graphs.clear()
             self._graph_version = version
         key = (bucket, use_lora, head, span)

@@ -18,7 +18,10 @@ Each :meth:`SamplingEngine.step`
    them and the pass holds only its remaining tokens (:meth:`SamplingEngine._shareable`);
 2. runs one decode step for every running sequence, whatever its adapter (the base model included),
    and samples each next token (:mod:`ember.core.sampling.logits`); finished sequences free their
-   rows and pages at once, so waiting requests join in the next step (continuous batching).
+   rows and pages at once, so waiting requests join in the next step (continuous batching). With
+   ``overlap_decode`` the step is queued on the device and the one the previous engine step queued
+   is read back while it runs (:meth:`SamplingEngine._decode`): an engine step's finished requests
+   are then those of the decode step before.
 
 ``stats.steps`` records each step's prefill and decode tokens (:class:`StepRecord`).
 
@@ -331,7 +334,8 @@ class SamplingEngine:
     @torch.no_grad()
     def step(self) -> dict[int, GenerationResult]:
         """One engine step (admission, a prefill pass over the step's prompt chunks, then one decode
-        step for every running sequence); returns the requests that finished in it, by handle."""
+        step for every running sequence, queued ahead of the host with ``overlap_decode``);
+        returns the requests that finished in it, by handle."""
         t0 = time.perf_counter()
         finished: dict[int, GenerationResult] = {}
         prefilled = decoded = 0

@@ -223,7 +223,7 @@ class RolloutLinear:
         """``module.product`` with the rollout copy as the base weight. A route that multiplies
         ``module``'s shared-input group at once (the static decoder's) takes the product over:
         it calls :func:`group_product`."""
-        if lora is not None and getattr(lora, "packs", None) is not None and lora.packs(module, x):
+        if lora is not None and lora.packs(module, x):
             return lora.linear(module.lora_name, x, module.weight, bias)
         if self.scaled and x.dim() == 2 and x.shape[0]:
             try:

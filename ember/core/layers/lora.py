@@ -162,6 +162,11 @@ class LoraRoute:
     def _active(self, name: str) -> list[LoraWeights | None]:
         return [a.weights.get(name) if a is not None else None for a in self.moe_adapters]
 
+    def packs(self, module: LoraLinear, x: torch.Tensor) -> bool:
+        """Whether :meth:`linear` multiplies ``module``'s shared-input group at once (the static
+        decoder's route does): never here, each module is its own product."""
+        return False
+
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus module ``name``'s LoRA correction on each adapter's tokens."""
         spans, factors = [], []

@@ -44,7 +44,8 @@ from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine
 from ember.core.sampling import attention as sampling_attention
 
 
-def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool | None, graphs: bool):
+def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool | None, graphs: bool,
+                overlap: bool = True):
     page = 16
     cfg = SamplerConfig(
         max_seqs=n_prompts,
@@ -53,6 +54,7 @@ def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool |
         max_prefill_tokens=max(16384, plen),
         cuda_graphs=graphs,
         static_decode=static,
+        overlap_decode=overlap,
     )
     return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
 
@@ -81,7 +83,8 @@ def timed(fn, acc: list[float]):
 def step_breakdown(model, prompts, new: int, rank: int) -> dict:
     bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
     (slot,) = fill_adapters(bank, 1, rank)
-    engine = make_engine(model, bank, len(prompts), len(prompts[0]), new, None, True)
+    # each step read back before the next (overlap_decode off): the step's parts are timed apart
+    engine = make_engine(model, bank, len(prompts), len(prompts[0]), new, None, True, overlap=False)
     reqs = requests(prompts, new, slot)
     engine.generate(reqs)  # compile + capture
     decoder, sampler = [], []

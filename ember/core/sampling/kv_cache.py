@@ -29,6 +29,8 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
+from ember.core.kernels.kv_write import kv_write
+
 SCRATCH_PAGE = 0
 
 
@@ -132,9 +134,7 @@ class PagedKVCache:
             shape = (self.num_pages, self.page_size)
             self.k[layer] = torch.zeros(shape + tuple(k.shape[1:]), dtype=self.dtype, device=self.device)
             self.v[layer] = torch.zeros(shape + tuple(v.shape[1:]), dtype=self.dtype, device=self.device)
-        kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(vc.dtype))
+        kv_write(self.k[layer], self.v[layer], k, v, slot_mapping)
 
     def write_rows(self, layer: int, name: str, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store per-token rows ``x`` (``[T, ...]``) of ``(layer, name)`` at the flat slots ``slot_mapping``

@@ -167,6 +167,11 @@ class LoraRoute:
         decoder's route does): never here, each module is its own product."""
         return False
 
+    def swiglu(self, mlp, x: torch.Tensor) -> torch.Tensor | None:
+        """A SwiGLU block's activation computed by the route (the static decoder's does, in one
+        kernel with its LoRA work): never here, the block runs its three modules."""
+        return None
+
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus module ``name``'s LoRA correction on each adapter's tokens."""
         spans, factors = [], []

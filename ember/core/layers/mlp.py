@@ -19,4 +19,7 @@ class SwiGLU(nn.Module):
         self.down_proj = LoraLinear(intermediate, hidden, bias, "mlp")
 
     def forward(self, x: torch.Tensor, lora: LoraRoute | None) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x, lora), self.up_proj(x, lora)), lora)
+        act = lora.swiglu(self, x) if lora is not None else None  # the static decoder's one kernel
+        if act is None:
+            act = silu_mul(self.gate_proj(x, lora), self.up_proj(x, lora))
+        return self.down_proj(act, lora)

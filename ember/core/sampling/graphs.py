@@ -57,6 +57,7 @@ from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
+from ember.core.kernels.swiglu_decode import swiglu_lora
 from ember.core.layers.lora import LoraLinear, side_by_side
 from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
@@ -399,6 +400,37 @@ class StaticRoute:
                 y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton)
             self._y = (key, x, y)
         return self._y[2][:, start:end]
+
+    def swiglu(self, mlp, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate(x)) · up(x)`` of a SwiGLU block (:class:`~ember.core.layers.mlp.SwiGLU`):
+        the packed gate/up product, then one kernel for the gate/up LoRA expand, the activation and
+        the down projection's LoRA shrink (:func:`~ember.core.kernels.swiglu_decode.swiglu_lora`),
+        whose ``h`` the down projection then finds here. ``None`` where the block runs as its three
+        modules: no packed gate/up, no adapter on the block, or no kernels (CPU without the
+        interpreter)."""
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if not self.lora or self.packed is None or x.dim() != 2:
+            return None
+        rows = self.packed.rows(gate.lora_name, gate.weight)
+        if rows is None or self.packed.modules[rows[0]] != [gate, up] or self.packed.rows(up.lora_name, up.weight) is None:
+            return None
+        key = rows[0]
+        gu_stacks = self.stacks.fused.get(key)
+        down_key = self.stacks.member[down.lora_name][0] if down.lora_name in self.stacks.stacks else None
+        down_A = self.stacks.fused[down_key][0] if down_key is not None else None
+        if gu_stacks is None and down_A is None:
+            return None
+        tensors = [x, *(gu_stacks or ()), *((down_A,) if down_A is not None else ())]
+        if not self._triton(*tensors) or (gu_stacks is not None and gu_stacks[1].shape[1] != 2 * gate.out_features):
+            return None
+        gu = self.packed.product(key, x)
+        gate_up = (self._group_h(key, x, True), gu_stacks[1]) if gu_stacks is not None else None
+        h_down = self._zeros(x.shape[0], down_A.shape[1], x.device) if down_A is not None else None
+        act = swiglu_lora(gu, self.offsets, self.active, self.n_rows, gate_up,
+                          (down_A, h_down) if down_A is not None else None)
+        if down_A is not None:
+            self._h = (down_key, act, h_down)  # the down projection's shrink, done
+        return act
 
     # -- routed experts (the interface of LoraRoute that ember.core.layers.moe uses) ---------------
 

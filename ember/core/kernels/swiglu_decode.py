@@ -1,0 +1,147 @@
+"""A SwiGLU block's LoRA work between its two base products in one launch (Triton, decode steps).
+
+Between the packed gate/up product and the down product a decode step with adapters ran three
+launches: the gate/up LoRA expand (``gu += h_gu @ B_gu.T``, a read and a write of ``gu``), the
+``silu(g) * u`` kernel, and the down projection's LoRA shrink (``h_down = act @ A_down.T``). Each is
+a few microseconds of latency for a few megabytes of traffic (``bench/lora_decode.py``). Here
+program ``(s, m)`` owns the columns ``[s·BLOCK_K, (s+1)·BLOCK_K)`` of the intermediate width for
+the rows of block ``m``: it loads those columns of gate and up once, adds each adapter group's delta from its block of
+``B_gu`` (rows sorted by group, as :mod:`ember.core.kernels.lora_decode` takes them), rounds them to
+the input's dtype as the expand kernel does, writes ``act = silu(g) · u``, and adds the partial
+product of its ``act`` columns with ``A_down``'s into ``h_down`` (fp32, atomic adds: the shrink's
+split over K). The down projection then reads ``act`` and, through the route, ``h_down``.
+
+The numbers are the three kernels' (the same roundings); only the atomic adds' order makes the
+last bits of ``h_down`` differ from run to run, as in the shrink kernel. Launch shapes depend only
+on tensor shapes, so the kernel captures in a CUDA graph. Under ``TRITON_INTERPRET=1`` it runs on
+the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.core.kernels import fused
+
+if fused.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ember.core.kernels.lora_decode import _group_rows
+
+    @triton.jit
+    def _swiglu_lora(
+        GU, HGU, BGU, AD, HD, ACT, OFFS, ROWS, ACTIVE, N_ACTIVE,
+        stride_gu, stride_hgu, stride_bg, stride_bo, stride_ag, stride_ar, stride_hd, stride_act,
+        N, I, R, RD,
+        HAS_ROWS: tl.constexpr, HAS_GU: tl.constexpr, HAS_DOWN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, RD_PAD: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        cmask = cols < I
+        r = tl.arange(0, R_PAD)
+        rmask = r < R
+        rd = tl.arange(0, RD_PAD)
+        rdmask = rd < RD
+        n_active = tl.load(N_ACTIVE)
+        m0 = tl.program_id(1) * BLOCK_M
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mmask = rows < N
+        tile = mmask[:, None] & cmask[None, :]
+        gu_ptr = GU + rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
+        g = tl.load(gu_ptr, mask=tile, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + I, mask=tile, other=0.0).to(tl.float32)
+        if HAS_GU:
+            for i in range(n_active):
+                grp = tl.load(ACTIVE + i)
+                start, end = _group_rows(OFFS, ROWS, grp, HAS_ROWS)
+                if (end > m0) & (start < m0 + BLOCK_M):
+                    mine = (rows >= start) & (rows < end)
+                    h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
+                    hmask = mine[:, None] & rmask[None, :]
+                    b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
+                    bmask = cmask[:, None] & rmask[None, :]
+                    # gate: B rows [0, I), factor columns [0, R); up: rows [I, 2I), columns [R, 2R)
+                    bg = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_bo, mask=bmask, other=0.0)
+                    bu = tl.load(b_ptr + (I + cols).to(tl.int64)[:, None] * stride_bo + R, mask=bmask, other=0.0)
+                    hg = tl.load(h_ptr, mask=hmask, other=0.0).to(bg.dtype)
+                    hu = tl.load(h_ptr + R, mask=hmask, other=0.0).to(bg.dtype)
+                    g += tl.dot(hg, tl.trans(bg), input_precision=PREC)
+                    u += tl.dot(hu, tl.trans(bu), input_precision=PREC)
+            # the expand kernel's one rounding of base + delta
+            g = g.to(GU.dtype.element_ty).to(tl.float32)
+            u = u.to(GU.dtype.element_ty).to(tl.float32)
+        act = (g * tl.sigmoid(g) * u).to(ACT.dtype.element_ty)
+        tl.store(ACT + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=tile)
+        if HAS_DOWN:
+            for i in range(n_active):
+                grp = tl.load(ACTIVE + i)
+                start, end = _group_rows(OFFS, ROWS, grp, HAS_ROWS)
+                if (end > m0) & (start < m0 + BLOCK_M):
+                    mine = (rows >= start) & (rows < end)
+                    a_ptr = AD + (grp + tl.zeros([], tl.int64)) * stride_ag + rd[:, None] * stride_ar + cols[None, :]
+                    a = tl.load(a_ptr, mask=rdmask[:, None] & cmask[None, :], other=0.0)
+                    x = tl.where(mine[:, None], act, 0.0).to(a.dtype)
+                    part = tl.dot(x, tl.trans(a), input_precision=PREC)  # [BLOCK_M, RD_PAD] fp32
+                    hd_ptr = HD + rows.to(tl.int64)[:, None] * stride_hd + rd[None, :]
+                    tl.atomic_add(hd_ptr, part, mask=mine[:, None] & rdmask[None, :], sem="relaxed")
+
+
+BLOCK_K = 128  # intermediate columns per program: the down shrink's split (lora_decode.shrink_config's)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def swiglu_lora(
+    gu: torch.Tensor,
+    offsets: torch.Tensor,
+    active: tuple[torch.Tensor, torch.Tensor],
+    n_rows: torch.Tensor | None = None,
+    gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
+    down: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``act = silu(g) · u`` of the packed ``gu = [g | u]`` (``[N, 2·I]``, unit stride along
+    columns) -> ``[N, I]``, with LoRA on either side:
+
+    * ``gate_up = (h_gu, B_gu)``: the gate/up group's shrink ``[N, 2·r]`` (fp32, gate's ``r``
+      columns first) and its block-diagonal stack ``[G, 2·I, 2·r]``; each group's delta is added
+      to g and u first (rounded once to ``gu``'s dtype);
+    * ``down = (A_down, h_down)``: the down projection's stack ``[G, r_d, I]`` and a zeroed fp32
+      ``[N, r_d]`` that receives ``act @ A_down[g].T`` for each row's group ``g``.
+
+    Groups as :func:`~ember.core.kernels.lora_decode.lora_shrink` takes them (``offsets``,
+    ``n_rows``, and ``active`` from :func:`~ember.core.kernels.lora_decode.active_groups`)."""
+    N, two_i = gu.shape
+    I = two_i // 2  # the intermediate width
+    if gu.stride(-1) != 1 or two_i % 2:
+        raise ValueError(f"swiglu_lora: gu must be [N, 2·I] with unit column stride, got {tuple(gu.shape)}")
+    act = torch.empty(N, I, dtype=gu.dtype, device=gu.device)
+    if N == 0:
+        return act
+    h_gu, B_gu = gate_up if gate_up is not None else (gu, gu)
+    A_d, h_d = down if down is not None else (gu, gu)
+    R = h_gu.shape[1] // 2 if gate_up is not None else 1
+    RD = A_d.shape[1] if down is not None else 1
+    if gate_up is not None and (B_gu.shape[1:] != (two_i, 2 * R) or h_gu.shape[0] != N or h_gu.stride(-1) != 1
+                                or B_gu.stride(-1) != 1):
+        raise ValueError(f"swiglu_lora: gate_up stacks {tuple(B_gu.shape)}, h {tuple(h_gu.shape)} for gu {tuple(gu.shape)}")
+    if down is not None and (A_d.shape[2] != I or h_d.shape != (N, RD) or h_d.dtype != torch.float32
+                             or A_d.stride(-1) != 1 or h_d.stride(-1) != 1):
+        raise ValueError(f"swiglu_lora: down stack {tuple(A_d.shape)}, h {tuple(h_d.shape)} for gu {tuple(gu.shape)}")
+    ids, count = active
+    dtype = (B_gu if gate_up is not None else A_d).dtype
+    block_m = max(16, min(64, _pow2(N)))
+    _swiglu_lora[(triton.cdiv(I, BLOCK_K), triton.cdiv(N, block_m))](
+        gu, h_gu, B_gu, A_d, h_d, act, offsets, n_rows if n_rows is not None else offsets, ids, count,
+        gu.stride(0), h_gu.stride(0), B_gu.stride(0) if gate_up is not None else 0,
+        B_gu.stride(1) if gate_up is not None else 0, A_d.stride(0) if down is not None else 0,
+        A_d.stride(1) if down is not None else 0, h_d.stride(0) if down is not None else 0, act.stride(0),
+        N, I, R, RD,
+        HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
+        BLOCK_M=block_m, BLOCK_K=BLOCK_K, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
+        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=8,
+    )
+    return act

@@ -30,6 +30,13 @@ if fused.HAVE_TRITON:
     from ember.core.kernels.lora_decode import _group_rows
 
     @triton.jit
+    def _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M: tl.constexpr, HAS_ROWS: tl.constexpr):
+        # the i-th active group, whether it has rows in this block, and which of the block's rows
+        grp = tl.load(ACTIVE + i)
+        start, end = _group_rows(OFFS, ROWS, grp, HAS_ROWS)
+        return grp, (end > m0) & (start < m0 + BLOCK_M), (rows >= start) & (rows < end)
+
+    @triton.jit
     def _swiglu_lora(
         GU, HGU, BGU, AD, HD, ACT, OFFS, ROWS, ACTIVE, N_ACTIVE,
         stride_gu, stride_hgu, stride_bg, stride_bo, stride_ag, stride_ar, stride_hd, stride_act,
@@ -54,10 +61,8 @@ if fused.HAVE_TRITON:
         u = tl.load(gu_ptr + I, mask=tile, other=0.0).to(tl.float32)
         if HAS_GU:
             for i in range(n_active):
-                grp = tl.load(ACTIVE + i)
-                start, end = _group_rows(OFFS, ROWS, grp, HAS_ROWS)
-                if (end > m0) & (start < m0 + BLOCK_M):
-                    mine = (rows >= start) & (rows < end)
+                grp, hit, mine = _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M, HAS_ROWS)
+                if hit:
                     h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
                     hmask = mine[:, None] & rmask[None, :]
                     b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
@@ -76,10 +81,8 @@ if fused.HAVE_TRITON:
         tl.store(ACT + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=tile)
         if HAS_DOWN:
             for i in range(n_active):
-                grp = tl.load(ACTIVE + i)
-                start, end = _group_rows(OFFS, ROWS, grp, HAS_ROWS)
-                if (end > m0) & (start < m0 + BLOCK_M):
-                    mine = (rows >= start) & (rows < end)
+                grp, hit, mine = _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M, HAS_ROWS)
+                if hit:
                     a_ptr = AD + (grp + tl.zeros([], tl.int64)) * stride_ag + rd[:, None] * stride_ar + cols[None, :]
                     a = tl.load(a_ptr, mask=rdmask[:, None] & cmask[None, :], other=0.0)
                     x = tl.where(mine[:, None], act, 0.0).to(a.dtype)

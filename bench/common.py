@@ -591,7 +591,17 @@ SHAPES: dict[str, dict] = {
 }
 
 PEAK_BF16_FLOPS = 790e12  # measured 8192^3 bf16 matmul rate of this H200 (shared/perf_targets.md)
-COPY_BANDWIDTH = 4.3e12  # measured device-to-device copy bandwidth, bytes/s
+COPY_BANDWIDTH = 4.3e12  # measured device-to-device copy bandwidth of the H200, bytes/s
+# the same measured on the H100 machines (the device tool's KINDS.md: about 3.0 TB/s read + write)
+H100_COPY_BANDWIDTH = 3.0e12
+
+
+def copy_bandwidth() -> float:
+    """The bandwidth floors' divisor: the measured copy bandwidth of this machine's GPU (an H100's
+    where torch names one, else the H200's)."""
+    if torch.cuda.is_available() and "H100" in torch.cuda.get_device_name():
+        return H100_COPY_BANDWIDTH
+    return COPY_BANDWIDTH
 
 
 def hardware_line() -> str:

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import COPY_BANDWIDTH, event_time_ms, graph_us
+from bench.common import copy_bandwidth, event_time_ms, graph_us
 from ember.core.adapters import LoraConfig
 from ember.core.config import AttentionSpec, config_from_hf
 from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
@@ -632,7 +632,7 @@ def check_selected_decode() -> None:
         report("paged decode selection: the empty row is zero", 1.0, 0.0)
 
 
-HBM_TBPS = COPY_BANDWIDTH / 1e12  # measured copy bandwidth (shared/perf_targets.md); floor = bytes / this
+HBM_TBPS = copy_bandwidth() / 1e12  # measured copy bandwidth of this GPU; floor = bytes / this
 
 
 def _graph_time_us(fn, inner: int = 20, reps: int = 50) -> float:

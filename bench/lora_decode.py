@@ -19,13 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import COPY_BANDWIDTH, graph_us, hardware_line
+from bench.common import copy_bandwidth, graph_us, hardware_line
 from ember.core.kernels import lora_decode as ld
 
 HIDDEN, INTER, Q, KV, LAYERS = 4096, 12288, 4096, 1024, 36
 # shared-input group -> (in, members, out): the stacks' A is [G, members · r, in], B [G, out, members · r]
 GROUPS = {"qkv": (HIDDEN, 3, Q + 2 * KV), "o": (Q, 1, HIDDEN), "gate_up": (HIDDEN, 2, 2 * INTER), "down": (INTER, 1, HIDDEN)}
-TBPS = {"H100": 3.0e12}  # copy bandwidth measured on this machine (bytes/s); else COPY_BANDWIDTH (the H200's)
 
 
 def stacks(K: int, members: int, out: int, rank: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +48,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--layers", type=int, default=LAYERS)
     args = ap.parse_args()
-    hw = hardware_line()
-    print(f"hardware: {hw}; torch {torch.__version__}")
-    tbps = next((v for k, v in TBPS.items() if k in hw), COPY_BANDWIDTH) / 1e12
+    print(f"hardware: {hardware_line()}; torch {torch.__version__}")
+    tbps = copy_bandwidth() / 1e12
     torch.manual_seed(0)
     for N, busy in zip(map(int, args.rows.split(",")), map(int, args.busy.split(","))):
         print(f"\n== {N} rows over {busy} adapter(s), rank {args.rank}, {args.layers} layers ==")

@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--layers", type=int, default=LAYERS)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/lora_decode.py times CUDA kernels: it needs a GPU")
     print(f"hardware: {hardware_line()}; torch {torch.__version__}")
     tbps = copy_bandwidth() / 1e12
     torch.manual_seed(0)

@@ -67,30 +67,26 @@ if fused.HAVE_TRITON:
         stride_xm, stride_ag, stride_ar, stride_hm,
         K, R,
         HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, R_BLOCK: tl.constexpr,
-        PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_BLOCK: tl.constexpr, PREC: tl.constexpr,
     ):
-        s = tl.program_id(1)
+        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = k < K
         r = tl.program_id(2) * R_BLOCK + tl.arange(0, R_BLOCK)
         rmask = r < R
         # program (j, s, rb) serves the active groups j, j + GSTRIDE, ... of the list (configured
-        # but unused slots cost nothing): columns [s · K_ITERS · BLOCK_K, (s + 1) · K_ITERS · BLOCK_K)
-        # of the rank rows of block rb, summed in registers, then added to h once per row block
+        # but unused slots cost nothing): columns [s · BLOCK_K, (s + 1) · BLOCK_K) of the rank rows of
+        # block rb, added to h once per row block
         for i in range(tl.program_id(0), tl.load(N_ACTIVE), GSTRIDE):
             g = tl.load(ACTIVE + i)
             start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
-            a_base = A + (g + tl.zeros([], tl.int64)) * stride_ag + r[:, None] * stride_ar
+            a_ptr = A + (g + tl.zeros([], tl.int64)) * stride_ag + r[:, None] * stride_ar + k[None, :]
+            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
             for m0 in range(start, end, BLOCK_M):
                 rows = m0 + tl.arange(0, BLOCK_M)
                 mmask = rows < end
-                x_base = X + rows.to(tl.int64)[:, None] * stride_xm
-                acc = tl.zeros([BLOCK_M, R_BLOCK], tl.float32)
-                for kk in tl.static_range(K_ITERS):
-                    k = (s * K_ITERS + kk) * BLOCK_K + tl.arange(0, BLOCK_K)
-                    kmask = k < K
-                    a = tl.load(a_base + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    x = tl.load(x_base + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-                    acc += tl.dot(x.to(a.dtype), tl.trans(a), input_precision=PREC)  # [BLOCK_M, R_BLOCK]
+                x_ptr = X + rows.to(tl.int64)[:, None] * stride_xm + k[None, :]
+                x = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                acc = tl.dot(x.to(a.dtype), tl.trans(a), input_precision=PREC)  # [BLOCK_M, R_BLOCK] fp32
                 h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
                 tl.atomic_add(h_ptr, acc, mask=mmask[:, None] & rmask[None, :], sem="relaxed")
 
@@ -147,16 +143,16 @@ def _rows_block(n: int, r_pad: int) -> int:
     return max(16, min(64, _pow2(n), _TILE // r_pad))
 
 
-def shrink_config(K: int, R: int, N: int) -> tuple[int, int, int]:
-    """The shrink's ``(block_k, k_iters, r_block)`` for ``N`` rows: each program sums ``k_iters``
-    blocks of ``block_k`` columns for ``r_block`` rank rows before its one atomic add per row block,
-    so ``K / (block_k · k_iters)`` splits each add ``N × R`` values into ``h``.
+def shrink_config(K: int, R: int, N: int) -> tuple[int, int]:
+    """The shrink's ``(block_k, r_block)`` for ``N`` rows: each program multiplies ``block_k``
+    columns for ``r_block`` rank rows and adds them to ``h`` once per row block, so ``K / block_k``
+    splits each add ``N × R`` values into ``h``.
 
     Measured at Qwen3-8B's four projections (``bench/lora_decode.py``, H100): 128-column splits
     with 16 rank rows per program at 64 rows, 32 at 256, were the fastest or within 2 % of it, and
     9 % faster over a step than 64-column splits over the whole padded rank."""
     r_block = min(max(16, _pow2(R)), 16 if N <= 64 else 32)
-    return min(128, _TILE // r_block), 1, r_block
+    return min(128, _TILE // r_block), r_block
 
 
 def expand_block(n_out: int, R: int, N: int) -> int:
@@ -203,14 +199,14 @@ def lora_shrink(
     skip_first: bool = False,
     out: torch.Tensor | None = None,
     active: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``h[rows of g] = x[rows of g] @ A[g].T`` in fp32 (``x`` ``[N, in]``, ``A`` ``[G, r, in]``) ->
     ``[N, r]``. Rows of no group, rows from ``n_rows[0]`` on (an int32 device scalar, optional) and,
     with ``skip_first``, rows of group 0 (whose factors must then be zeros) are left at zero.
     ``out``: a zeroed fp32 ``[N, r]`` tensor (unit stride along r) to accumulate into. ``active``:
     :func:`active_groups` of these arguments (computed here when not given). ``config``: ``(block_k,
-    k_iters, r_block)`` instead of :func:`shrink_config`'s (the benchmark sweeps them)."""
+    r_block)`` instead of :func:`shrink_config`'s (the benchmark sweeps them)."""
     _check(x, A, offsets)
     N, K = x.shape
     G, R, _ = A.shape
@@ -223,18 +219,18 @@ def lora_shrink(
     first = 1 if skip_first else 0
     if N == 0 or G <= first:
         return h
-    block_k, k_iters, r_block = config or shrink_config(K, R, N)
+    block_k, r_block = config or shrink_config(K, R, N)
     block_m = _rows_block(N, r_block)
     gstride = min(G - first, GROUP_PROGRAMS)
-    grid = (gstride, triton.cdiv(K, block_k * k_iters), triton.cdiv(R, r_block))
+    grid = (gstride, triton.cdiv(K, block_k), triton.cdiv(R, r_block))
     ids, count = active if active is not None else active_groups(offsets, n_rows, skip_first)
     _lora_shrink_kernel[grid](
         x, A, h, offsets, n_rows if n_rows is not None else offsets, ids, count,
         x.stride(0), A.stride(0), A.stride(1), h.stride(0),
         K, R,
         HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
-        BLOCK_M=block_m, BLOCK_K=block_k, K_ITERS=k_iters, R_BLOCK=r_block, PREC=_prec(A), num_warps=4,
-        num_stages=1,  # the K blocks of a program are unrolled, their loads issued together
+        BLOCK_M=block_m, BLOCK_K=block_k, R_BLOCK=r_block, PREC=_prec(A), num_warps=4,
+        num_stages=1,  # pipelined, the group and row loops asked for more shared memory than an SM has (H100)
     )
     return h
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ember.core.kernels import fused
+from ember.core.kernels.lora_decode import _pow2, _prec
 
 if fused.HAVE_TRITON:
     import triton
@@ -94,10 +95,6 @@ if fused.HAVE_TRITON:
 BLOCK_K = 128  # intermediate columns per program: the down shrink's split (lora_decode.shrink_config's)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def swiglu_lora(
     gu: torch.Tensor,
     offsets: torch.Tensor,
@@ -135,7 +132,6 @@ def swiglu_lora(
                              or A_d.stride(-1) != 1 or h_d.stride(-1) != 1):
         raise ValueError(f"swiglu_lora: down stack {tuple(A_d.shape)}, h {tuple(h_d.shape)} for gu {tuple(gu.shape)}")
     ids, count = active
-    dtype = (B_gu if gate_up is not None else A_d).dtype
     block_m = max(16, min(64, _pow2(N)))
     _swiglu_lora[(triton.cdiv(I, BLOCK_K), triton.cdiv(N, block_m))](
         gu, h_gu, B_gu, A_d, h_d, act, offsets, n_rows if n_rows is not None else offsets, ids, count,
@@ -145,6 +141,6 @@ def swiglu_lora(
         N, I, R, RD,
         HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
         BLOCK_M=block_m, BLOCK_K=BLOCK_K, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
-        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=8,
+        PREC=_prec(B_gu if gate_up is not None else A_d), num_warps=8,
     )
     return act

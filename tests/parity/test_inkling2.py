@@ -415,14 +415,15 @@ def test_eager_packed_attention_matches_a_float64_loop():
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
 
 
-def test_flex_attention_forward_matches_eager_on_cpu():
+@pytest.mark.parametrize("seq_lens", [[13, 7, 140, 30], [13, 99, 144]], ids=["padded", "tile-multiple"])
+def test_flex_attention_forward_matches_eager_on_cpu(seq_lens):
     """torch 2.13 runs FlexAttention on the CPU only uncompiled and forward-only (no backward,
     compiled CPU kernels return no log-sum-exp): this checks the score_mod, block masks of packed
-    documents and windows, GQA and the sink; bench/inkling_flex_check.py checks the compiled
-    CUDA kernels and their gradients."""
+    documents and windows, GQA and the sink, and the padding of a pass to FlexAttention's
+    128-row tile (190 rows padded to 256; 256 rows as they are); bench/inkling_flex_check.py
+    checks the compiled CUDA kernels and their gradients."""
     import warnings
 
-    seq_lens = [13, 7, 140, 30]
     q, k, v, profiles, sinks, positions = _random_attention_inputs(seq_lens, seed=1)
     for spec in (RelativeAttentionSpec(window=5, rel_extent=5), RelativeAttentionSpec(window=None, rel_extent=6)):
         eager = PackedRelativeAttention(seq_lens, positions, backend="eager")(q, k, v, profiles, sinks, spec, 0.3)
@@ -432,6 +433,38 @@ def test_flex_attention_forward_matches_eager_on_cpu():
                 q, k, v, profiles, sinks, spec, 0.3
             )
         torch.testing.assert_close(flex, eager, atol=1e-5, rtol=0)
+
+
+def test_flex_attention_compiles_once_for_every_batch_composition(monkeypatch):
+    """The flex path's compiled FlexAttention serves every batch composition with one graph:
+    dynamic shapes from the first call, and no duck shapes. With them a pass of 16 tiles (2,048
+    rows) shared the symbol of the head dimension (16), was specialised with it, and the next
+    composition compiled again. Dynamo's own graphs are counted (CPU: no inductor)."""
+    import warnings
+
+    from ember.core.layers import relative_attention
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": backend}))
+    relative_attention._compiled_flex.cache_clear()
+    torch._dynamo.reset()
+    spec = RelativeAttentionSpec(window=64, rel_extent=48)
+    try:
+        for seq_lens in ([256] * 8, [300, 700, 200], [1000, 999]):
+            q, k, v, profiles, sinks, positions = _random_attention_inputs(seq_lens, hq=2, hkv=1, d=16, r=48)
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                PackedRelativeAttention(seq_lens, positions, backend="flex")(q, k, v, profiles, sinks, spec, 0.25)
+    finally:
+        relative_attention._compiled_flex.cache_clear()
+        torch._dynamo.reset()
+    assert len(graphs) == 1
 
 
 @pytest.mark.parametrize("chunk", [1 << 24, 1])

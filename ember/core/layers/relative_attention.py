@@ -99,9 +99,29 @@ def _eager_packed(q, k, v, profiles, sinks, positions, seq_lens, spec, scale, ch
 
 @cache
 def _compiled_flex():
+    """FlexAttention compiled once for every batch composition (``dynamic=True``). With Dynamo's
+    default the first composition compiled static shapes and the second compiled again with
+    dynamic ones; each gradient mode paid both, and each head layout of a process again, toward
+    Dynamo's limit of 8, past which it would silently run the unfused ``[T, T]`` path. Without
+    duck shapes: with them a length of 16,384 (128 tiles) shared the head dimension's symbol,
+    was specialised with it, and the next composition compiled again (9 s)."""
+    from torch.fx.experimental import _config as fx_config
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=None)
+    compiled = torch.compile(flex_attention, dynamic=True)
+
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+# FlexAttention's tile. The flex path pads a pass to a multiple of it (the padding is a document
+# of its own) and says so, so the dynamic-shape kernel skips the bounds checks of a ragged end, as
+# a static one whose length divides would (``IS_DIVISIBLE``). Every row sees at least its own key.
+FLEX_BLOCK = 128
+FLEX_KERNEL_OPTIONS = {"IS_DIVISIBLE": True}
 
 
 def flex_available() -> bool:
@@ -198,6 +218,7 @@ class PackedRelativeAttention:
         self.compiled = compiled
         lens = torch.tensor(self.seq_lens, device=device)
         self.doc_ids = torch.repeat_interleave(torch.arange(len(self.seq_lens), device=device), lens)
+        self.pad = -self.doc_ids.shape[0] % FLEX_BLOCK  # rows the flex path adds, as one more document
         self._block_masks: dict[int | None, object] = {}
 
     def __call__(self, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:
@@ -208,15 +229,20 @@ class PackedRelativeAttention:
         return _eager_packed(q, k, v, profiles, sinks, self.positions, self.seq_lens, spec, scale, self.chunk)
 
     def block_mask(self, window: int | None):
-        """The FlexAttention block mask of this pass for ``window`` (causal, per document)."""
+        """The FlexAttention block mask of this pass for ``window`` (causal, per document), over
+        the padded length."""
         if window not in self._block_masks:
-            self._block_masks[window] = document_block_mask(self.doc_ids, window)
+            doc = torch.nn.functional.pad(self.doc_ids, (0, self.pad), value=len(self.seq_lens))
+            self._block_masks[window] = document_block_mask(doc, window)
         return self._block_masks[window]
 
     def _flex(self, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:
         from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
         R = spec.rel_extent
+        T = q.shape[0]
+        if self.pad:  # zero rows: they see only each other, and their gradients are dropped
+            q, k, v, profiles = (torch.cat([t, t.new_zeros(self.pad, *t.shape[1:])]) for t in (q, k, v, profiles))
         prof = profiles  # [T, Hq, R], read in place (no [Hq, T, R] copy)
 
         # within a document packed indices are consecutive positions, so qi - kv is the distance;
@@ -236,9 +262,10 @@ class PackedRelativeAttention:
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
             return_aux=AuxRequest(lse=True),
+            kernel_options=FLEX_KERNEL_OPTIONS,
         )
-        out = out[0].transpose(0, 1)  # [T, Hq, Dv]
-        lse = aux.lse[0].transpose(0, 1)  # [T, Hq], natural log, fp32
+        out = out[0, :, :T].transpose(0, 1)  # [T, Hq, Dv]
+        lse = aux.lse[0, :, :T].transpose(0, 1)  # [T, Hq], natural log, fp32
         keep = torch.sigmoid(lse.float() - sinks.float())
         return (out.float() * keep[..., None]).to(q.dtype)
 

@@ -236,6 +236,13 @@ def check_model() -> None:
            rel(g_f[name], g_ref[name]), 2 * err_e + 1e-2)
 
 
+# Inkling-2-Small's two kinds of attention layer (window and relative extent 1024)
+SMALL_SPECS = {
+    "sliding": RelativeAttentionSpec(window=1024, rel_extent=1024),
+    "global": RelativeAttentionSpec(window=None, rel_extent=1024),
+}
+
+
 def timed(fn, *args, iters: int = 3) -> float:
     """Milliseconds per call of ``fn(*args)`` after one warm-up (compile) call."""
     fn(*args)
@@ -250,10 +257,7 @@ def timed(fn, *args, iters: int = 3) -> float:
 def timing() -> None:
     """Forward + backward times (information only). The eager path materialises chunked score
     matrices and keeps them for backward, so it runs at 4k tokens; flex also at 16k."""
-    for label, spec in (
-        ("sliding", RelativeAttentionSpec(window=1024, rel_extent=1024)),
-        ("global", RelativeAttentionSpec(window=None, rel_extent=1024)),
-    ):
+    for label, spec in SMALL_SPECS.items():
         for tokens, backends in ((4096, ("flex", "eager")), (16384, ("flex",))):
             seq_lens = [tokens]
             inputs, pos = attention_inputs(seq_lens, 48, 8, 128, spec.rel_extent, torch.bfloat16)
@@ -287,10 +291,7 @@ def dynamic_shapes() -> None:
         )
         relative_attention.FLEX_KERNEL_OPTIONS = defaults[1] if mode == "ember" else {}
         for lens in ([2048] * 8, [3000] * 5 + [1300]):
-            for label, spec in (
-                ("sliding", RelativeAttentionSpec(window=1024, rel_extent=1024)),
-                ("global", RelativeAttentionSpec(window=None, rel_extent=1024)),
-            ):
+            for label, spec in SMALL_SPECS.items():
                 inputs, pos = attention_inputs(lens, 48, 8, 128, spec.rel_extent, torch.bfloat16)
                 dout = torch.randn(sum(lens), 48, 128, device=DEVICE, dtype=torch.bfloat16)
                 ms = timed(run_attention, "flex", inputs, pos, lens, spec, 128**-0.5, dout)
@@ -301,8 +302,7 @@ def dynamic_shapes() -> None:
 
 def compile_split() -> None:
     """Wall seconds of each first use of the compiled FlexAttention (information only)."""
-    sliding = RelativeAttentionSpec(window=1024, rel_extent=1024)
-    glob = RelativeAttentionSpec(window=None, rel_extent=1024)
+    sliding, glob = SMALL_SPECS["sliding"], SMALL_SPECS["global"]
 
     def stage(label, fn):
         torch.cuda.synchronize()

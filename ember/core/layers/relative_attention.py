@@ -216,9 +216,10 @@ class PackedRelativeAttention:
             raise ValueError(f"backend must be 'eager' or 'flex', not {self.backend!r}")
         self.chunk = chunk
         self.compiled = compiled
-        lens = torch.tensor(self.seq_lens, device=device)
-        self.doc_ids = torch.repeat_interleave(torch.arange(len(self.seq_lens), device=device), lens)
-        self.pad = -self.doc_ids.shape[0] % FLEX_BLOCK  # rows the flex path adds, as one more document
+        # each row's document, over the length the flex path pads to (its padding: one more document)
+        self.pad = -sum(self.seq_lens) % FLEX_BLOCK
+        lens = torch.tensor([*self.seq_lens, self.pad], device=device)
+        self.doc_ids = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
         self._block_masks: dict[int | None, object] = {}
 
     def __call__(self, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:
@@ -232,8 +233,7 @@ class PackedRelativeAttention:
         """The FlexAttention block mask of this pass for ``window`` (causal, per document), over
         the padded length."""
         if window not in self._block_masks:
-            doc = torch.nn.functional.pad(self.doc_ids, (0, self.pad), value=len(self.seq_lens))
-            self._block_masks[window] = document_block_mask(doc, window)
+            self._block_masks[window] = document_block_mask(self.doc_ids, window)
         return self._block_masks[window]
 
     def _flex(self, q, k, v, profiles, sinks, spec: RelativeAttentionSpec, scale: float) -> torch.Tensor:

@@ -169,6 +169,7 @@ def run_ember(
     keep: bool = False,
     precision: str = "bf16",
     overlap: bool = True,
+    prefetch_mb: int = 0,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -184,6 +185,7 @@ def run_ember(
         static_decode=static,
         rollout_precision=precision,
         overlap_decode=overlap,
+        prefetch_mb=prefetch_mb,
     )
     sync()
     t_start = time.perf_counter()
@@ -421,6 +423,9 @@ def main() -> None:
                     help="workload a (and gap): the sampler's copy of the base weights (the trainer stays bf16)")
     ap.add_argument("--long-prompt", type=int, default=16384, help="stall: the long prompt's tokens")
     ap.add_argument("--step-tokens", type=int, default=2048, help="stall: max_prefill_tokens, the per-step budget")
+    ap.add_argument("--prefetch-mb", default=str(SamplerConfig.prefetch_mb),
+                    help="SamplerConfig.prefetch_mb (L2 prefetch of the next weight in decode steps); a comma "
+                         "list runs the a/b workloads once per value (later values named <workload>+pf<MiB>)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
@@ -442,18 +447,24 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
+    prefetch = [int(v) for v in args.prefetch_mb.split(",")]
+    current = {"prefetch_mb": prefetch[0]}
+
+    def ember(*a, **k):
+        return run_ember(*a, prefetch_mb=current["prefetch_mb"], **k)
+
     plan = {
-        "a": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only,
-                               precision=args.rollout_precision),
-        "a-sync": lambda: run_ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static,
-                                    precision=args.rollout_precision, overlap=False),
-        "a-32slots": lambda: run_ember(model, prompts, args.new, 1, 32, 32, args.rank, graphs, static),
-        "b-sync": lambda: run_ember(model, mixed, args.new, args.adapters, max(32, args.adapters), args.adapters,
-                                    args.rank, graphs, static, overlap=False),
-        "b": lambda: run_ember(
+        "a": lambda: ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only,
+                           precision=args.rollout_precision),
+        "a-sync": lambda: ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static,
+                                precision=args.rollout_precision, overlap=False),
+        "a-32slots": lambda: ember(model, prompts, args.new, 1, 32, 32, args.rank, graphs, static),
+        "b-sync": lambda: ember(model, mixed, args.new, args.adapters, max(32, args.adapters), args.adapters,
+                                args.rank, graphs, static, overlap=False),
+        "b": lambda: ember(
             model, mixed, args.new, args.adapters, max(32, args.adapters), args.adapters, args.rank, graphs, static
         ),
-        "b-1": lambda: run_ember(
+        "b-1": lambda: ember(
             model, mixed, args.new, 1, max(32, args.adapters), args.adapters, args.rank, graphs, static
         ),
         "hf": lambda: run_hf(model, hf_cfg, prompts, args.new, args.rank),
@@ -468,7 +479,12 @@ def main() -> None:
     }
     results: dict[str, dict] = {}
     hf_skip = hf_baseline_unavailable(hf_cfg)
-    for name in [*early, *only]:
+    # with several --prefetch-mb values each workload runs once per value; the first value's results
+    # keep the workload's name, the others are named "<workload>+pf<MiB>"
+    runs = [(name, prefetch[0]) for name in [*early, *only]]
+    runs += [(f"{name}+pf{v}", v) for v in prefetch[1:] for name in only if name in plan and name.startswith(("a", "b"))]
+    for name, mb in runs:
+        current["prefetch_mb"] = mb
         if name == "gap":
             continue
         if name == "hf" and hf_skip:
@@ -476,7 +492,7 @@ def main() -> None:
             results[name] = {"skipped": hf_skip}
             continue
         try:
-            r = early[name] if name in early else plan[name]()
+            r = early[name] if name in early else plan[name.split("+pf")[0]]()
         except Exception as e:  # noqa: BLE001 - report and go on: one failing workload must not hide the others
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}

@@ -82,6 +82,11 @@ class _Switch:
         self.modules: list[LoraLinear | Experts] = []  # the modules with a copy (set by attach)
 
 
+def attached(model: nn.Module) -> bool:
+    """Whether :func:`attach` gave ``model`` rollout copies (a precision other than bf16)."""
+    return "_rollout_switch" in model.__dict__
+
+
 def version(model: nn.Module) -> int:
     """The model's rollout copies' :attr:`_Switch.version` (0 without :func:`attach`)."""
     switch = model.__dict__.get("_rollout_switch")

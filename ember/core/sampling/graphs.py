@@ -59,6 +59,7 @@ from ember.core.kernels import fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
 from ember.core.kernels.swiglu_decode import swiglu_lora
 from ember.core.layers.lora import LoraLinear, side_by_side
+from ember.core.layers.moe import Experts
 from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
 from ember.core.logprobs import chunk_logits
@@ -67,6 +68,7 @@ from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
+from ember.core.sampling.prefetch import WeightPrefetch
 
 RANK_MULTIPLE = 16
 EXPERT_RANK_MULTIPLE = 8
@@ -306,8 +308,10 @@ class StaticRoute:
         packed: PackedLinears | None = None,
         lora: bool = True,
         rows: int | None = None,
+        prefetch: WeightPrefetch | None = None,
     ):
         self.stacks = stacks
+        self.prefetch = prefetch
         self.offsets = offsets
         self.n_rows = n_rows
         self.packed = packed
@@ -319,6 +323,13 @@ class StaticRoute:
         self._workspace: torch.Tensor | None = None
         self._used = 0
         self._active: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _product(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """Group ``key``'s packed base product (then the prefetch of the next product's weight)."""
+        y = self.packed.product(key, x)
+        if self.prefetch is not None:
+            self.prefetch.after(self.packed.weights[key][0])
+        return y
 
     @property
     def active(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,10 +401,13 @@ class StaticRoute:
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = self.packed.rows(name, weight) if self.packed is not None and x.dim() == 2 else None
         if rows is None:
-            return self.add_delta(name, x, F.linear(x, weight, bias))
+            y = F.linear(x, weight, bias)
+            if self.prefetch is not None:
+                self.prefetch.after(weight)
+            return self.add_delta(name, x, y)
         key, start, end = rows
         if self._y is None or self._y[0] != key or self._y[1] is not x:
-            y = self.packed.product(key, x)
+            y = self._product(key, x)
             stacks = self.stacks.fused.get(key) if self.lora else None
             if stacks is not None:
                 triton = self._triton(y, x, *stacks)
@@ -423,7 +437,7 @@ class StaticRoute:
         tensors = [x, *(gu_stacks or ()), *((down_A,) if down_A is not None else ())]
         if not self._triton(*tensors) or (gu_stacks is not None and gu_stacks[1].shape[1] != 2 * gate.out_features):
             return None
-        gu = self.packed.product(key, x)
+        gu = self._product(key, x)
         gate_up = (self._group_h(key, x, True), gu_stacks[1]) if gu_stacks is not None else None
         h_down = self._zeros(x.shape[0], down_A.shape[1], x.device) if down_A is not None else None
         act = swiglu_lora(gu, self.offsets, self.active, self.n_rows, gate_up,
@@ -496,6 +510,7 @@ class StaticDecoder:
         buckets: tuple[int, ...],
         use_graphs: bool,
         states: RecurrentStateStore | None = None,
+        prefetch_bytes: int = 0,
     ):
         self.model = model
         self.cache = cache
@@ -519,6 +534,10 @@ class StaticDecoder:
         self._pool = None
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
+        # L2 prefetch of the next product's weight: dense models only (a routed-expert layer's
+        # products come between two dense ones and would evict it)
+        dense = not any(isinstance(m, Experts) for m in model.modules())
+        self.prefetch = WeightPrefetch(prefetch_bytes) if prefetch_bytes > 0 and dense else None
 
     def sync(self, slots: Iterable[int]) -> None:
         """Refresh the adapter stacks of ``slots`` (call when their requests are admitted)."""
@@ -646,8 +665,12 @@ class StaticDecoder:
         # the positions' host-known bound: below the span past QSA's threshold, below the threshold
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
+        # not while rollout copies are attached: the products read those, not the weights
+        prefetch = self.prefetch if not rollout_precision.attached(self.model) else None
+        if prefetch is not None:
+            prefetch.begin()
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
-                            rows=buf.positions.shape[0])
+                            rows=buf.positions.shape[0], prefetch=prefetch)
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True),
@@ -663,6 +686,8 @@ class StaticDecoder:
         vocab = self.model.vocab_split  # the LM head split by vocabulary (tensor parallelism)
         weight = self.model.unembed_weight if vocab is None else vocab.local(self.model.unembed_weight)
         logits = chunk_logits(hidden, weight, [], 0, hidden.shape[0])
+        if prefetch is not None:
+            prefetch.after(weight)
         if use_lora:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
         logits = gather_vocab(logits, vocab)
@@ -673,6 +698,8 @@ class StaticDecoder:
         chosen = torch.stack([tokens.to(torch.float64), token_lp.to(torch.float64)])
         if head:  # the stability record's head of every row, in the same graph and the same copy
             chosen = torch.cat([chosen, head_record(logits, softcap, buf.floats[0], tokens, head).T])
+        if prefetch is not None:
+            prefetch.end()
         return logits, chosen
 
     def run(self, batch: DecodeBatch, feed: tuple[torch.Tensor, Sequence[int]] | None = None

@@ -101,6 +101,16 @@ def main() -> None:
                 ]
                 us = graph_us(calls, iters=10) * args.layers
                 results.append((us, cfg, err))
+            # programs per split across the active groups (each walks every GP-th group): the default
+            # against one program per busy adapter and more
+            for gp in (g for g in (8, 16) if busy > ld.GROUP_PROGRAMS and g <= 2 * busy):
+                calls = [
+                    lambda x=x, A=A, h=h, o=offs, n=n_rows, a=active, gp=gp:
+                    ld.lora_shrink(x, A, o, n, True, out=h, active=a, group_programs=gp)
+                    for x, (A, _), h in zip(xs, layers, hs)
+                ]
+                gp_us = graph_us(calls, iters=10) * args.layers
+                print(f"  group_programs {gp} (default {ld.GROUP_PROGRAMS}), default blocks: {gp_us:7.1f} us per step")
             print(f"{name}: shrink [{N}, {K}] x [{R}, {K}]^T, floor {floor_s:.1f} us per step ({read_s / 1e6:.2f} MB a layer)")
             for us, cfg, err in sorted(results)[:6] + [r for r in results if r[1] == default]:
                 mark = " (default)" if cfg == default else ""
@@ -120,6 +130,14 @@ def main() -> None:
             print(f"{name}: expand [{N}, {R}] x [{out}, {R}]^T into y, floor {floor_e:.1f} us per step")
             for us, bo in results:
                 print(f"  block_o {bo or 'default'}: {us:7.1f} us per step")
+            for gp in (g for g in (8, 16) if busy > ld.GROUP_PROGRAMS and g <= 2 * busy):
+                calls = [
+                    lambda y=y, B=B, h=h, o=offs, n=n_rows, a=active, gp=gp:
+                    ld.lora_expand_add(y, h, B, o, n, True, active=a, group_programs=gp)
+                    for y, (_, B) in zip(ys, layers)
+                ]
+                gp_us = graph_us(calls, iters=10) * args.layers
+                print(f"  group_programs {gp} (default {ld.GROUP_PROGRAMS}), default block_o: {gp_us:7.1f} us per step")
             total["expand"] += results[0][0]
             best_total["expand"] += min(us for us, _ in results)
             del layers, xs, ys, hs

@@ -82,6 +82,14 @@ SCRIPT = textwrap.dedent(
                 # narrow K blocks, rank rows split over programs
                 h2 = ld.lora_shrink(x, A, offs, skip_first=skip, config=(16, 16))
                 check(f"shrink block_k=16 r_block=16 {dtype} case {i}", h2, href, 1e-5)
+                # one program per group, or fewer groups than that (the benchmark's group_programs)
+                for gp in (1, 8):
+                    h3 = ld.lora_shrink(x, A, offs, skip_first=skip, group_programs=gp)
+                    check(f"shrink group_programs={gp} {dtype} case {i}", h3, href, 1e-5)
+                    y = ld.lora_expand_add(torch.zeros(N, O, dtype=dtype), h3, B, offs, skip_first=skip,
+                                           group_programs=gp)
+                    check(f"expand group_programs={gp} {dtype} case {i}", y,
+                          reference(torch.zeros(N, O), x, A, B, offs, skip_first=skip), tol)
                 # the whole delta, added in place
                 y = y0.clone()
                 out = ld.lora_delta_add(y, x, A, B, offs, skip_first=skip)

@@ -200,13 +200,15 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     active: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: tuple[int, int] | None = None,
+    group_programs: int | None = None,
 ) -> torch.Tensor:
     """``h[rows of g] = x[rows of g] @ A[g].T`` in fp32 (``x`` ``[N, in]``, ``A`` ``[G, r, in]``) ->
     ``[N, r]``. Rows of no group, rows from ``n_rows[0]`` on (an int32 device scalar, optional) and,
     with ``skip_first``, rows of group 0 (whose factors must then be zeros) are left at zero.
     ``out``: a zeroed fp32 ``[N, r]`` tensor (unit stride along r) to accumulate into. ``active``:
     :func:`active_groups` of these arguments (computed here when not given). ``config``: ``(block_k,
-    r_block)`` instead of :func:`shrink_config`'s (the benchmark sweeps them)."""
+    r_block)`` instead of :func:`shrink_config`'s, ``group_programs`` instead of
+    :data:`GROUP_PROGRAMS` (the benchmark sweeps them)."""
     _check(x, A, offsets)
     N, K = x.shape
     G, R, _ = A.shape
@@ -221,7 +223,7 @@ def lora_shrink(
         return h
     block_k, r_block = config or shrink_config(K, R, N)
     block_m = _rows_block(N, r_block)
-    gstride = min(G - first, GROUP_PROGRAMS)
+    gstride = min(G - first, group_programs or GROUP_PROGRAMS)
     grid = (gstride, triton.cdiv(K, block_k), triton.cdiv(R, r_block))
     ids, count = active if active is not None else active_groups(offsets, n_rows, skip_first)
     _lora_shrink_kernel[grid](
@@ -244,10 +246,12 @@ def lora_expand_add(
     skip_first: bool = False,
     active: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_o: int | None = None,
+    group_programs: int | None = None,
 ) -> torch.Tensor:
     """``y[rows of g] += h[rows of g] @ B[g].T`` in place (``h`` ``[N, r]``, ``B`` ``[G, out, r]``,
     ``y`` ``[N, out]`` of any float dtype: the sum is formed in fp32 and rounded once); rows skipped
-    as in :func:`lora_shrink` are left untouched. Returns ``y``."""
+    as in :func:`lora_shrink` are left untouched. ``block_o`` and ``group_programs`` replace
+    :func:`expand_block`'s and :data:`GROUP_PROGRAMS` (the benchmark sweeps them). Returns ``y``."""
     _check(h, B, offsets)
     if y.dim() != 2 or y.stride(-1) != 1 or y.shape != (h.shape[0], B.shape[1]):
         raise ValueError(f"lora_expand_add: y {tuple(y.shape)} does not match h {tuple(h.shape)}, B {tuple(B.shape)}")
@@ -260,7 +264,7 @@ def lora_expand_add(
     block_o = block_o or expand_block(n_out, R, N)
     block_m = _rows_block(N, r_pad)
     block_m = max(16, min(block_m, _TILE // block_o))  # the [BLOCK_M, BLOCK_O] delta tile
-    gstride = min(G - first, GROUP_PROGRAMS)
+    gstride = min(G - first, group_programs or GROUP_PROGRAMS)
     grid = (gstride, triton.cdiv(n_out, block_o))
     ids, count = active if active is not None else active_groups(offsets, n_rows, skip_first)
     _lora_expand_kernel[grid](

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     patch_interpreter()
 
     from ember.core.kernels import fused, lora_decode as ld
-    from ember.core.sampling.graphs import StaticRoute
+    from ember.core.sampling.static_route import StaticRoute
     assert fused.use_triton(torch.zeros(1)) and ld.triton_ok(torch.zeros(1))
 
     def stacks(G, R, rank, K, O, dtype, zero_first=True, seed=0):
@@ -150,7 +150,7 @@ SCRIPT = textwrap.dedent(
     # packed base weights: one GEMM, one shrink and one expand for the group; members get their columns
     from torch import nn
     from ember.core.layers.lora import LoraLinear
-    from ember.core.sampling.graphs import PackedLinears
+    from ember.core.sampling.static_route import PackedLinears
 
     mlp = nn.Module()  # a gate/up pair (named "q" and "k" for the stacks above)
     mlp.gate_proj, mlp.up_proj = LoraLinear(128, 300, False, "mlp"), LoraLinear(128, 200, False, "mlp")

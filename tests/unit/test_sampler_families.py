@@ -355,9 +355,10 @@ def test_static_decode_equals_eager(name, tmp_path):
             engine.eager.run = lambda batch: pytest.fail(f"an eager decode step of {len(batch)} rows")
         results.append(_run(engine, reqs))
     # fp32; the static step's LoRA products differ in rounding (the scale folded into B, padded
-    # ranks, stacked slots), and Qwen3-Next's delta-rule state carries it along: up to 1.6e-5
-    # measured there (1.2e-5 with no bucket padding at all), 2.4e-6 on Inkling-2
-    atol = 5e-5 if name == "qwen3_next" else 1e-5
+    # ranks, stacked slots), and the Gated DeltaNet families' delta-rule state carries it along:
+    # up to 1.6e-5 measured on Qwen3-Next (1.2e-5 with no bucket padding at all) and 1.05e-5 on
+    # qwen4_exp (a relative 1.5e-6; the CPU's BLAS decides the last bits), 2.4e-6 on Inkling-2
+    atol = 5e-5 if name in ("qwen3_next", "qwen4_exp") else 1e-5
     for a, b in zip(*results):
         for x, y in zip(a.sequences, b.sequences):
             assert x.tokens.tolist() == y.tokens.tolist()

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     from ember.core.layers.activations import silu_mul
     from ember.core.layers.lora import LoraLinear
     from ember.core.layers.mlp import SwiGLU
-    from ember.core.sampling.graphs import PackedLinears, StaticRoute
+    from ember.core.sampling.static_route import PackedLinears, StaticRoute
 
     g = torch.Generator().manual_seed(0)
 

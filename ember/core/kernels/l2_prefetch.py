@@ -2,7 +2,7 @@
 
 A decode step alternates bandwidth-bound base products with stretches of small, latency-bound
 kernels (norms, rotations, the KV write, LoRA shrinks and expands, the SwiGLU kernel), during which
-HBM is nearly idle. :class:`~ember.core.sampling.graphs.WeightPrefetch` launches this kernel on a
+HBM is nearly idle. :class:`~ember.core.sampling.prefetch.WeightPrefetch` launches this kernel on a
 side stream right after each product, so part of the next product's weight streams into L2 while
 those kernels run, and the product then reads that part from L2.
 

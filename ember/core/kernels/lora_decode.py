@@ -31,7 +31,7 @@ rounds it to ``B``'s dtype for the tensor-core product (as the two bf16 grouped 
 :func:`lora_delta_add` runs one module's delta (shrink + expand), falling back to two
 :func:`grouped_linear` calls and an add where Triton cannot run (CPU without ``TRITON_INTERPRET=1``,
 no Triton); the benchmarks and tests use it. The static decoder
-(:class:`ember.core.sampling.graphs.StaticRoute`) calls :func:`lora_shrink` and
+(:class:`ember.core.sampling.static_route.StaticRoute`) calls :func:`lora_shrink` and
 :func:`lora_expand_add` itself, because one shrink serves a whole shared-input group and the
 active-slot list is computed once per step.
 """

@@ -127,6 +127,16 @@ def test_qwen3_tp2_static_decode(qwen3_dir):
     run(2, worker_cases.static_decode_matches_one_process, qwen3_dir, 2)
 
 
+def test_qwen3_moe_ep2_static_decode(qwen3_moe_dir):
+    """The static decoder under expert parallelism: every rank runs the same sequences, each its
+    own experts on the rows routed to them (the "replicated" dispatch: static shapes, nothing read
+    back, so the step can be captured), an all-reduce sums the shares; expert LoRA of mixed
+    adapters included."""
+    from tests.parallel import worker_cases
+
+    run(2, worker_cases.static_decode_matches_one_process, qwen3_moe_dir, 1, 2)
+
+
 def test_qwen3_tp2_dp2(tmp_path_factory):
     """Two TP groups of two ranks running different sequences; the LM head tied to the embedding
     (the embedding stays whole, the head reads this rank's rows of it)."""

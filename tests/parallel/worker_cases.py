@@ -93,14 +93,14 @@ def _check(fan: FanOut, ref: Worker, tmp: Path):
             np.testing.assert_allclose(gs.logprobs, ws.logprobs, atol=1e-5, rtol=0)
 
 
-def static_decode_matches_one_process(rank: int, world: int, model_dir: str, tp: int):
-    """The static decoder (CUDA graphs' step, run eagerly here) of a tensor-parallel engine:
-    the same seeded tokens and logprobs as one process's static and eager decoders, with mixed
-    adapters (the LM head's LoRA too)."""
+def static_decode_matches_one_process(rank: int, world: int, model_dir: str, tp: int, ep: int = 1):
+    """The static decoder (CUDA graphs' step, run eagerly here) of a tensor- or expert-parallel
+    engine: the same seeded tokens and logprobs as one process's static and eager decoders, with
+    mixed adapters (the LM head's LoRA too)."""
     from ember.core.sampling import SamplerConfig
 
     static = dict(KW, sampler_config=SamplerConfig(static_decode=True))
-    worker = ShardedWorker.from_pretrained(model_dir, Parallel(1, tp), "cpu", torch.float32, **static)
+    worker = ShardedWorker.from_pretrained(model_dir, Parallel(ep, tp), "cpu", torch.float32, **static)
     if rank:
         follow(worker)
         return

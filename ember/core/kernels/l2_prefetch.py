@@ -46,13 +46,14 @@ if fused.HAVE_TRITON:
 
 
 def supported(t: torch.Tensor) -> bool:
-    """Whether :func:`prefetch` does anything for ``t``: a contiguous CUDA tensor on sm_90 or newer,
-    with Triton, not under the interpreter."""
+    """Whether :func:`prefetch` does anything for ``t``: a contiguous CUDA tensor at a 16-byte
+    aligned address (the instruction's), on sm_90 or newer, with Triton, not under the interpreter."""
     return (
         fused.HAVE_TRITON
         and not fused.INTERPRET
         and t.is_cuda
         and t.is_contiguous()
+        and t.data_ptr() % 16 == 0
         and torch.cuda.get_device_capability(t.device)[0] >= 9
     )
 

@@ -11,8 +11,8 @@ against one process in fp32, the same weights):
 * sampled tokens with fixed seeds (sequences identical, mean length of the common prefix) and the
   logprobs of the tokens both drew, and whether each decoded through the static (CUDA-graph)
   decoder (by default the engine does not use it for sharded models; ``--static-decode`` makes
-  both sides use it: dense models, where the split projections' collectives are captured in the
-  graphs).
+  both sides use it: the split projections' collectives, and under expert parallelism the
+  experts' all-reduce, are then captured in the graphs).
 
 The gradients leave each worker through its own export: every rank copies its adapter's
 gradient into the adapter's weights, and ``export_peft`` gathers them into a PEFT folder as it
@@ -21,6 +21,7 @@ would the weights.
     python3 bench/parallel_check.py --shape qwen3-30b-a3b --layers 2 --nproc 2 --ep 2     # GPUs, NCCL
     python3 bench/parallel_check.py --shape qwen3-8b --layers 2 --nproc 2 --tp 2
     python3 bench/parallel_check.py --shape qwen3-8b --layers 2 --nproc 2 --tp 2 --static-decode
+    python3 bench/parallel_check.py --shape qwen3-30b-a3b --layers 2 --nproc 2 --ep 2 --static-decode
     python3 bench/parallel_check.py --shape tiny-moe --nproc 2 --ep 2 --seq-len 24     # CPU, gloo
 """
 
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--static-decode", action="store_true",
-                    help="decode through the static (CUDA-graph) decoder on both sides (dense models)")
+                    help="decode through the static (CUDA-graph) decoder on both sides")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     if args.ep == 1 and args.tp == 1:

@@ -98,9 +98,12 @@ def static_decode_matches_one_process(rank: int, world: int, model_dir: str, tp:
     engine: the same seeded tokens and logprobs as one process's static and eager decoders, with
     mixed adapters (the LM head's LoRA too)."""
     from ember.core.sampling import SamplerConfig
+    from ember.core.sampling.engine import _sharded
 
     static = dict(KW, sampler_config=SamplerConfig(static_decode=True))
     worker = ShardedWorker.from_pretrained(model_dir, Parallel(ep, tp), "cpu", torch.float32, **static)
+    # not the engine's default for a split model until its NCCL capture has run on GPUs: forced here
+    assert _sharded(worker.model)
     if rank:
         follow(worker)
         return

@@ -49,6 +49,7 @@ from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.batch import pack
 from ember.core.layers.lora import LoraLinear
+from ember.core.layers.moe import Experts
 from ember.core.logprobs import token_logprobs
 from ember.core.models import FAMILIES
 from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
@@ -893,9 +894,13 @@ def _routing_array(record: dict[int, torch.Tensor], start: int, n: int) -> np.nd
 
 
 def _sharded(model: CausalLM) -> bool:
-    """Whether some projection is split across processes. The static decoder runs such a model
-    correctly (the split projections' collectives run in its step, the LM head's vocabulary parts
-    are gathered before the draw; ``tests/parallel``, gloo), but it is not the default there until
-    capturing those collectives in CUDA graphs has been run on several GPUs (``static_decode=True``
-    forces it: ``bench/parallel_check.py --static-decode``)."""
-    return any(isinstance(m, LoraLinear) and m.shard is not None for m in model.modules())
+    """Whether some projection, or some layer's experts, is split across processes. The static
+    decoder runs such a model correctly (the split projections' collectives and the experts'
+    all-reduce run in its step, the LM head's vocabulary parts are gathered before the draw;
+    ``tests/parallel``, gloo), but it is not the default there until capturing those collectives in
+    CUDA graphs has been run on several GPUs (``static_decode=True`` forces it:
+    ``bench/parallel_check.py --static-decode``)."""
+    return any(
+        (isinstance(m, LoraLinear) and m.shard is not None) or (isinstance(m, Experts) and m.dispatch is not None)
+        for m in model.modules()
+    )

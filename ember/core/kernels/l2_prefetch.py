@@ -31,18 +31,30 @@ if fused.HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _prefetch_kernel(P, n_chunks, num, den, PER: tl.constexpr):
+    def _prefetch_kernel(P, n_chunks, num, den, PER: tl.constexpr, EVICT_LAST: tl.constexpr):
         j = tl.program_id(0).to(tl.int64) * PER + tl.arange(0, PER)
         take = (j < n_chunks) & ((j + 1) * num // den > j * num // den)
         ptr = P + j * 1024  # P is a byte pointer
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptr, take.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        if EVICT_LAST:  # the lines kept ahead of others in L2 until they are read
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], 1024, pol; mov.u32 $0, 0; }",
+                "=r,l,r",
+                [ptr, take.to(tl.int32)],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }",
+                "=r,l,r",
+                [ptr, take.to(tl.int32)],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
 
 def supported(t: torch.Tensor) -> bool:
@@ -73,13 +85,15 @@ def chosen(nbytes: int, budget: int) -> torch.Tensor:
     return j[(j + 1) * num // den > j * num // den]
 
 
-def prefetch(t: torch.Tensor, budget: int) -> None:
+def prefetch(t: torch.Tensor, budget: int, evict_last: bool = False) -> None:
     """Start fetching about ``budget`` bytes of ``t``, spread evenly, into L2 (on the current
-    stream); returns at once, and does nothing where :func:`supported` is false."""
+    stream); returns at once, and does nothing where :func:`supported` is false. ``evict_last``:
+    with an ``evict_last`` cache policy, so that other traffic (a decode step's attention streams
+    its KV pages through L2 meanwhile) evicts the fetched lines last."""
     if budget <= 0 or not supported(t):
         return
     chunks, num, den = plan(t.numel() * t.element_size(), budget)
     if num == 0:
         return
     grid = (triton.cdiv(chunks, PER_PROGRAM),)
-    _prefetch_kernel[grid](t.view(-1).view(torch.uint8), chunks, num, den, PER=PER_PROGRAM)
+    _prefetch_kernel[grid](t.view(-1).view(torch.uint8), chunks, num, den, PER=PER_PROGRAM, EVICT_LAST=evict_last)

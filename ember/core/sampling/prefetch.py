@@ -25,14 +25,16 @@ from ember.core.kernels import l2_prefetch
 
 class WeightPrefetch:
     """Prefetches about ``budget`` bytes of the next product's weight after each product
-    (``launch(weight, budget)``, :func:`~ember.core.kernels.l2_prefetch.prefetch` by default).
+    (``launch(weight, budget)``, :func:`~ember.core.kernels.l2_prefetch.prefetch` by default, with
+    its ``evict_last`` policy if asked).
 
     Use: :meth:`begin` before a pass, :meth:`after` right after each base product is queued,
     :meth:`end` after the pass (it joins the side stream)."""
 
-    def __init__(self, budget: int, launch: Callable[[torch.Tensor, int], None] = l2_prefetch.prefetch):
+    def __init__(self, budget: int, launch: Callable[[torch.Tensor, int], None] | None = None,
+                 evict_last: bool = False):
         self.budget = budget
-        self.launch = launch
+        self.launch = launch or (lambda w, b: l2_prefetch.prefetch(w, b, evict_last))
         self.next: dict[int, torch.Tensor] | None = None  # weight address -> the weight read after it
         self._pass: list[torch.Tensor] = []
         self._side: torch.cuda.Stream | None = None

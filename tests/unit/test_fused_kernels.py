@@ -39,6 +39,29 @@ SCRIPT = textwrap.dedent(
             if need_dw:
                 check(f"rmsnorm {mode} dw", gw, w.grad, 1e-4)
 
+    # the residual add and the norm in one kernel (no gradient): the sum, rounded to the input dtype,
+    # then the norm kernel's values bit for bit, in fp32 and bf16, and the torch formula. (The
+    # interpreter rounds fp32 to bf16 toward zero where the GPU rounds to nearest even, as torch's
+    # add does: here the bf16 sum may be one unit in the last place off; gpu_checks.py add_norm
+    # holds it equal on the GPU.)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            for zero_centred, fp32_product in ((False, False), (True, False), (False, True)):
+                x = torch.randn(37, 3, 48).to(dtype)
+                r = torch.randn(37, 3, 48).to(dtype)
+                w = (torch.randn(48) * 0.1 + (0 if zero_centred else 1)).to(dtype)
+                s, y = norms.add_rms_norm(x, r, w, 1e-6, zero_centred, fp32_product)
+                ulp = 0.0 if dtype == torch.float32 else 2.0 ** -7
+                assert s.dtype == x.dtype
+                assert ((s.float() - (x + r).float()).abs() <= ulp * (x + r).float().abs()).all()
+                assert torch.equal(y, fused.RMSNormFn.apply(s, w, 1e-6, zero_centred, fp32_product))
+                yr = norms._RMSNorm.apply(s, w, 1e-6, zero_centred, fp32_product)
+                rel = ((y.float() - yr.float()).abs() / yr.float().abs().clamp_min(1e-3)).max().item()
+                assert rel <= (1e-5 if dtype == torch.float32 else 2.0 ** -6), (dtype, rel)
+    x = torch.randn(5, 48, requires_grad=True)  # with gradients: the add, then the autograd norm
+    s, y = norms.add_rms_norm(x, torch.randn(5, 48), torch.ones(48), 1e-6)
+    assert s.grad_fn is not None and y.grad_fn is not None
+
     gu = torch.randn(29, 2 * 70).requires_grad_()
     gate, up = gu[:, :70], gu[:, 70:]   # strided views, as in the MoE path
     g = torch.randn(29, 70)

@@ -36,11 +36,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, ZERO_CENTRED: tl.constexpr,
-                     FP32_PRODUCT: tl.constexpr, BLOCK: tl.constexpr):
+                     FP32_PRODUCT: tl.constexpr, BLOCK: tl.constexpr,
+                     R=None, S=None, stride_r=0, stride_s=0, HAS_RES: tl.constexpr = False):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:  # normalise s = x + r, rounded to the input dtype (as the add would), and store s
+            r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(S.dtype.element_ty)
+            tl.store(S + row * stride_s + cols, s, mask=mask)
+            x = s.to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         xhat = x * rstd
@@ -347,6 +353,24 @@ class RMSNormFn(torch.autograd.Function):
             n = xhat if ctx.fp32_product else xhat.to(x2.dtype).float()
             dw = (dy2.float() * n).sum(0).to(weight.dtype)
         return dx.view(ctx.shape), dw, None, None, None
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
+                 fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + r`` and RMSNorm(s) in one kernel, without gradient (the sampler's passes): the
+    values of the add followed by :class:`RMSNormFn`, bit for bit (``x``, ``r`` one dtype)."""
+    x2, r2 = _rows(x), _rows(r)
+    n_rows, n_cols = x2.shape
+    fp32_product = fp32_product or zero_centred
+    s = torch.empty_like(x2)
+    y = torch.empty_like(x2, dtype=x.dtype if fp32_product else torch.promote_types(x.dtype, weight.dtype))
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(n_cols)
+    _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
+                            ZERO_CENTRED=zero_centred, FP32_PRODUCT=fp32_product, BLOCK=block,
+                            R=r2, S=s, stride_r=r2.stride(0), stride_s=s.stride(0), HAS_RES=True,
+                            num_warps=min(8, max(1, block // 256)))
+    return s.view(x.shape), y.view(x.shape)
 
 
 def _gated_rows(x: torch.Tensor) -> int:

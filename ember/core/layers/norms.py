@@ -56,6 +56,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return rebuildable(fn(x, weight, eps, zero_centred, fp32_product), fn, x, weight, eps, zero_centred, fp32_product)
 
 
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False,
+                 fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + r, rms_norm(x + r))``: a pre-norm block's residual add and the next norm. In a pass
+    without gradients on the GPU (the sampler's) one kernel does both (a decode layer's launch
+    fewer; the same values)."""
+    if not torch.is_grad_enabled() and x.dtype == r.dtype and x.shape == r.shape and fused.use_triton(x, r, weight):
+        return fused.add_rms_norm(x, r, weight, eps, zero_centred, fp32_product)
+    s = x + r
+    return s, rms_norm(s, weight, eps, zero_centred, fp32_product)
+
+
 class _GatedRMSNorm(torch.autograd.Function):
     """The PyTorch gated norm (:func:`gated_rms_norm`), keeping ``x``, ``gate`` and one scalar per
     row, where autograd of the formula keeps several fp32 copies."""
@@ -112,3 +123,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centred)
+
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + r, self(x + r))`` (:func:`add_rms_norm`)."""
+        return add_rms_norm(x, r, self.weight, self.eps, self.zero_centred)

@@ -62,8 +62,7 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), ctx))
         if isinstance(self.mlp, SparseMoE):
             return x + self.mlp(h, ctx.lora, ctx.routing)
         return x + self.mlp(h, ctx.lora)

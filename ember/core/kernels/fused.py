@@ -317,6 +317,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
+def _rmsnorm_launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, fp32_product: bool,
+                    r2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The forward kernel over rows ``x2``: ``(y, rstd, s)``; with ``r2``, of ``s = x2 + r2`` (else
+    ``s`` is None). ``fp32_product`` already includes ``zero_centred``."""
+    n_rows, n_cols = x2.shape
+    y = torch.empty_like(x2, dtype=x2.dtype if fp32_product else torch.promote_types(x2.dtype, weight.dtype))
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    s = torch.empty_like(x2) if r2 is not None else None
+    res = dict(R=r2, S=s, stride_r=r2.stride(0), stride_s=s.stride(0), HAS_RES=True) if r2 is not None else {}
+    block = triton.next_power_of_2(n_cols)
+    _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
+                            ZERO_CENTRED=zero_centred, FP32_PRODUCT=fp32_product, BLOCK=block,
+                            num_warps=min(8, max(1, block // 256)), **res)
+    return y, rstd, s
+
+
 class RMSNormFn(torch.autograd.Function):
     """Fused RMSNorm (see ``ember.core.layers.norms`` for the reference formula; ``fp32_product``:
     the weight product in fp32 before rounding, Olmo's order)."""
@@ -324,14 +340,8 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centred: bool, fp32_product: bool = False):
         x2 = _rows(x)
-        n_rows, n_cols = x2.shape
         fp32_product = fp32_product or zero_centred
-        y = torch.empty_like(x2, dtype=x.dtype if fp32_product else torch.promote_types(x.dtype, weight.dtype))
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(n_cols)
-        _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
-                                ZERO_CENTRED=zero_centred, FP32_PRODUCT=fp32_product, BLOCK=block,
-                                num_warps=min(8, max(1, block // 256)))
+        y, rstd, _ = _rmsnorm_launch(x2, weight, eps, zero_centred, fp32_product)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.zero_centred = zero_centred
         ctx.fp32_product = fp32_product
@@ -359,17 +369,7 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
                  fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r`` and RMSNorm(s) in one kernel, without gradient (the sampler's passes): the
     values of the add followed by :class:`RMSNormFn`, bit for bit (``x``, ``r`` one dtype)."""
-    x2, r2 = _rows(x), _rows(r)
-    n_rows, n_cols = x2.shape
-    fp32_product = fp32_product or zero_centred
-    s = torch.empty_like(x2)
-    y = torch.empty_like(x2, dtype=x.dtype if fp32_product else torch.promote_types(x.dtype, weight.dtype))
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(n_cols)
-    _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
-                            ZERO_CENTRED=zero_centred, FP32_PRODUCT=fp32_product, BLOCK=block,
-                            R=r2, S=s, stride_r=r2.stride(0), stride_s=s.stride(0), HAS_RES=True,
-                            num_warps=min(8, max(1, block // 256)))
+    y, _, s = _rmsnorm_launch(_rows(x), weight, eps, zero_centred, fp32_product or zero_centred, _rows(r))
     return s.view(x.shape), y.view(x.shape)
 
 

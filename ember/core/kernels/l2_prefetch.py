@@ -25,37 +25,24 @@ from ember.core.kernels import fused
 
 CHUNK = 1024  # bytes per bulk prefetch (a multiple of 16, as the instruction needs)
 PER_PROGRAM = 256  # chunks per program
+# the prefetch of one chunk where the predicate ($2) is set; $0 is a dummy output
+_PLAIN = "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }"
+# with an evict_last cache policy: the lines kept ahead of others in L2 until they are read
+_EVICT_LAST = (
+    "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+    "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], 1024, pol; mov.u32 $0, 0; }"
+)
 
 if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _prefetch_kernel(P, n_chunks, num, den, PER: tl.constexpr, EVICT_LAST: tl.constexpr):
+    def _prefetch_kernel(P, n_chunks, num, den, PER: tl.constexpr, ASM: tl.constexpr):
         j = tl.program_id(0).to(tl.int64) * PER + tl.arange(0, PER)
         take = (j < n_chunks) & ((j + 1) * num // den > j * num // den)
         ptr = P + j * 1024  # P is a byte pointer
-        if EVICT_LAST:  # the lines kept ahead of others in L2 until they are read
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
-                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], 1024, pol; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [ptr, take.to(tl.int32)],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [ptr, take.to(tl.int32)],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-
+        tl.inline_asm_elementwise(ASM, "=r,l,r", [ptr, take.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 def supported(t: torch.Tensor) -> bool:
     """Whether :func:`prefetch` does anything for ``t``: a contiguous CUDA tensor at a 16-byte
@@ -96,4 +83,5 @@ def prefetch(t: torch.Tensor, budget: int, evict_last: bool = False) -> None:
     if num == 0:
         return
     grid = (triton.cdiv(chunks, PER_PROGRAM),)
-    _prefetch_kernel[grid](t.view(-1).view(torch.uint8), chunks, num, den, PER=PER_PROGRAM, EVICT_LAST=evict_last)
+    _prefetch_kernel[grid](t.view(-1).view(torch.uint8), chunks, num, den, PER=PER_PROGRAM,
+                           ASM=_EVICT_LAST if evict_last else _PLAIN)

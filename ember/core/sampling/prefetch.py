@@ -45,9 +45,12 @@ class WeightPrefetch:
         self._forked = False
 
     def after(self, weight: torch.Tensor) -> None:
-        """``weight``'s product is queued: prefetch part of the weight that follows it."""
-        self._pass.append(weight)
-        nxt = self.next.get(weight.data_ptr()) if self.next is not None else None
+        """``weight``'s product is queued: prefetch part of the weight that follows it (the first
+        pass only records the order)."""
+        if self.next is None:
+            self._pass.append(weight)
+            return
+        nxt = self.next.get(weight.data_ptr())
         if nxt is None:
             return
         if not weight.is_cuda:

@@ -1008,6 +1008,69 @@ def check_gdn() -> None:
         print(f"  fla gdn 4 x 2048 tokens, {Hk}/{Hv} heads x {dk}: {name} {event_time_ms(fn, 3, 20):.3f} ms")
 
 
+def check_pdl() -> None:
+    """Programmatic dependent launch (Hopper) between small Triton kernels in a CUDA graph: a chain
+    of 16 launches, each reading the last one's output, with and without ``launch_pdl`` (each
+    kernel waits on ``gdc_wait`` before its loads and lets its dependents start after them). The
+    chain's result is checked (a missing wait would read stale values), then the microseconds per
+    kernel are printed at decode-like sizes, alone and behind a cuBLAS product. Decides whether the
+    decode step's Triton kernels should launch this way."""
+    import torch.nn.functional as F
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:
+        print(f"pdl: triton {triton.__version__} has no gdc_wait; skipped")
+        return
+
+    @triton.jit
+    def bump(X, Y, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        if PDL:
+            gdc_wait()
+        x = tl.load(X + offs, mask=m)
+        if PDL:
+            gdc_launch_dependents()
+        tl.store(Y + offs, x + 1.0, mask=m)
+
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    xin = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    for n in (64 * 128, 64 * 4096):
+        bufs = [torch.zeros(n, device="cuda") for _ in range(2)]
+
+        def chain(pdl: bool, gemm: bool = False, bufs=bufs, n=n):
+            if gemm:
+                F.linear(xin, w)
+            for i in range(16):
+                bump[(triton.cdiv(n, 1024),)](bufs[i % 2], bufs[(i + 1) % 2], n, BLOCK=1024, PDL=pdl,
+                                              launch_pdl=pdl)
+
+        line = f"  {n:>7} floats:"
+        for pdl in (False, True):
+            try:
+                bufs[0].zero_()
+                g = torch.cuda.CUDAGraph()
+                chain(pdl)  # compile outside the capture
+                bufs[0].zero_()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(g):
+                    chain(pdl)
+                g.replay()
+                torch.cuda.synchronize()
+                report(f"pdl={pdl} chain of 16 at {n}: every step saw the last one's output",
+                       float((bufs[0] != 16.0).any()), 0.0)
+            except Exception as e:  # noqa: BLE001 - an older Triton or driver: say so and go on
+                print(f"pdl={pdl}: {type(e).__name__}: {e}")
+                continue
+            alone = graph_us([lambda pdl=pdl: chain(pdl)]) / 16
+            behind = graph_us([lambda pdl=pdl: chain(pdl, gemm=True)])
+            line += f"  pdl={pdl}: {alone:5.2f} us/kernel, product + 16 kernels {behind:6.1f} us"
+        print(line, flush=True)
+
+
 CHECKS = {
     "gdn": lambda: check_gdn(),
     "sampling": lambda: check_sampling(),
@@ -1026,6 +1089,7 @@ CHECKS = {
     "kv_write": lambda: check_kv_write(),
     "l2_prefetch": lambda: check_l2_prefetch(),
     "add_norm": lambda: check_add_norm(),
+    "pdl": lambda: check_pdl(),
     "swiglu_lora": lambda: check_swiglu_lora(),
     "mixed": lambda: check_mixed(),
     "rebuild": lambda: check_rebuild(),

@@ -63,6 +63,7 @@ import statistics
 import sys
 import time
 import traceback
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,9 @@ def _timed(engine, reqs, rows: int, floor_bytes: float, before=None) -> tuple[di
         "floor_bytes": floor_bytes,
         "static_decode": engine.static is not None,
         "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
+        # one checksum per sampled sequence: engine variants that must not change the tokens are
+        # compared on these (the LoRA shrink's fp32 atomic adds may still flip a rare token)
+        "sequence_crc32": [zlib.crc32(np.asarray(s.tokens, np.int64).tobytes()) for r in results for s in r.sequences],
     }
     out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
     return out, results
@@ -170,6 +174,7 @@ def run_ember(
     precision: str = "bf16",
     overlap: bool = True,
     prefetch_mb: int = 0,
+    dependent_launch: bool = False,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -186,6 +191,7 @@ def run_ember(
         rollout_precision=precision,
         overlap_decode=overlap,
         prefetch_mb=prefetch_mb,
+        dependent_launch=dependent_launch,
     )
     sync()
     t_start = time.perf_counter()
@@ -426,6 +432,9 @@ def main() -> None:
     ap.add_argument("--prefetch-mb", default=str(SamplerConfig.prefetch_mb),
                     help="SamplerConfig.prefetch_mb (L2 prefetch of the next weight in decode steps); a comma "
                          "list runs the a/b workloads once per value (later values named <workload>+pf<MiB>)")
+    ap.add_argument("--dependent-launch", default=str(int(SamplerConfig.dependent_launch)),
+                    help="SamplerConfig.dependent_launch (0/1; programmatic dependent launch of the decode step's "
+                         "Triton kernels); a comma list runs the a/b workloads once per value and --prefetch-mb")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
@@ -447,11 +456,12 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    prefetch = [int(v) for v in args.prefetch_mb.split(",")]
-    current = {"prefetch_mb": prefetch[0]}
+    # engine variants: every --prefetch-mb value with every --dependent-launch value
+    variants = [(int(mb), bool(int(dl))) for dl in args.dependent_launch.split(",") for mb in args.prefetch_mb.split(",")]
+    current = {"prefetch_mb": variants[0][0], "dependent_launch": variants[0][1]}
 
     def ember(*a, **k):
-        return run_ember(*a, prefetch_mb=current["prefetch_mb"], **k)
+        return run_ember(*a, **current, **k)
 
     plan = {
         "a": lambda: ember(model, prompts, args.new, 1, 1, 1, args.rank, graphs, static, keep="gap" in only,
@@ -479,12 +489,14 @@ def main() -> None:
     }
     results: dict[str, dict] = {}
     hf_skip = hf_baseline_unavailable(hf_cfg)
-    # with several --prefetch-mb values each workload runs once per value; the first value's results
-    # keep the workload's name, the others are named "<workload>+pf<MiB>"
-    runs = [(name, prefetch[0]) for name in [*early, *only]]
-    runs += [(f"{name}+pf{v}", v) for v in prefetch[1:] for name in only if name in plan and name.startswith(("a", "b"))]
-    for name, mb in runs:
-        current["prefetch_mb"] = mb
+    # with several engine variants the a/b workloads run once per variant; the first variant's results
+    # keep the workload's name, the others are named "<workload>+pf<MiB>" and/or "<workload>+pdl"
+    runs = [(name, variants[0]) for name in [*early, *only]]
+    for mb, dl in variants[1:]:
+        suffix = (f"+pf{mb}" if mb else "") + ("+pdl" if dl else "") or "+pf0"
+        runs += [(name + suffix, (mb, dl)) for name in only if name in plan and name.startswith(("a", "b"))]
+    for name, (mb, dl) in runs:
+        current.update(prefetch_mb=mb, dependent_launch=dl)
         if name == "gap":
             continue
         if name == "hf" and hf_skip:
@@ -492,7 +504,7 @@ def main() -> None:
             results[name] = {"skipped": hf_skip}
             continue
         try:
-            r = early[name] if name in early else plan[name.split("+pf")[0]]()
+            r = early[name] if name in early else plan[name.split("+")[0]]()
         except Exception as e:  # noqa: BLE001 - report and go on: one failing workload must not hide the others
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}
@@ -516,6 +528,10 @@ def main() -> None:
                     f"{r['steps_to_prefill']} steps, its TTFT {r['long_prompt_ttft_s']:.3f}s; it sampled "
                     f"{r['long_token']} (logprob {r['long_logprob']:.4f})"
                 )
+            base = results.get(name.split("+")[0], {})
+            if "+" in name and "sequence_crc32" in r and "sequence_crc32" in base:
+                same = sum(a == b for a, b in zip(r["sequence_crc32"], base["sequence_crc32"]))
+                line += f"  same tokens as {name.split('+')[0]}: {same}/{len(r['sequence_crc32'])} sequences"
             if "prefix_pages_reused" in r:
                 line += (
                     f"  prefill {r['prefill_s']:.2f}s over {r['prefill_tokens']} tokens"

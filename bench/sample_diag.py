@@ -45,7 +45,7 @@ from ember.core.sampling import attention as sampling_attention
 
 
 def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool | None, graphs: bool,
-                overlap: bool = True, prefetch_mb: int = 0):
+                overlap: bool = True, **options):
     page = 16
     cfg = SamplerConfig(
         max_seqs=n_prompts,
@@ -55,7 +55,7 @@ def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool |
         cuda_graphs=graphs,
         static_decode=static,
         overlap_decode=overlap,
-        prefetch_mb=prefetch_mb,
+        **options,  # prefetch_mb, dependent_launch
     )
     return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
 
@@ -81,12 +81,11 @@ def timed(fn, acc: list[float]):
     return run
 
 
-def step_breakdown(model, prompts, new: int, rank: int, prefetch_mb: int = 0) -> dict:
+def step_breakdown(model, prompts, new: int, rank: int, **options) -> dict:
     bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
     (slot,) = fill_adapters(bank, 1, rank)
     # each step read back before the next (overlap_decode off): the step's parts are timed apart
-    engine = make_engine(model, bank, len(prompts), len(prompts[0]), new, None, True, overlap=False,
-                         prefetch_mb=prefetch_mb)
+    engine = make_engine(model, bank, len(prompts), len(prompts[0]), new, None, True, overlap=False, **options)
     reqs = requests(prompts, new, slot)
     engine.generate(reqs)  # compile + capture
     decoder, sampler = [], []
@@ -118,7 +117,7 @@ def step_breakdown(model, prompts, new: int, rank: int, prefetch_mb: int = 0) ->
         out["graph_replay_ms"] = start.elapsed_time(end) / 20
     del engine
     # kernels of 8 decode steps (no prefill) without graphs: GPU time per kernel, per step
-    engine = make_engine(model, bank, len(prompts), len(prompts[0]), 16, True, False, prefetch_mb=prefetch_mb)
+    engine = make_engine(model, bank, len(prompts), len(prompts[0]), 16, True, False, **options)
     short = requests(prompts, 16, slot)
     engine.generate(short)  # compile
     for r in short:
@@ -265,6 +264,8 @@ def main() -> None:
     ap.add_argument("--only", default="steps,gemm,sampling,gap")
     ap.add_argument("--prefetch-mb", type=int, default=SamplerConfig.prefetch_mb,
                     help="steps: SamplerConfig.prefetch_mb (L2 prefetch of the next weight)")
+    ap.add_argument("--dependent-launch", action="store_true",
+                    help="steps: SamplerConfig.dependent_launch (programmatic dependent launch)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -275,7 +276,8 @@ def main() -> None:
     results: dict = {"hardware": hardware_line(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     only = args.only.split(",")
     if "steps" in only:
-        r = step_breakdown(model, prompts, args.new, args.rank, args.prefetch_mb)
+        r = step_breakdown(model, prompts, args.new, args.rank, prefetch_mb=args.prefetch_mb,
+                           dependent_launch=args.dependent_launch)
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "gemm" in only:

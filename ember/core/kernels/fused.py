@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from ember.core.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -33,11 +35,14 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 
 if HAVE_TRITON:
+    from ember.core.kernels.pdl import wait_previous
 
     @triton.jit
     def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, ZERO_CENTRED: tl.constexpr,
                      FP32_PRODUCT: tl.constexpr, BLOCK: tl.constexpr,
-                     R=None, S=None, stride_r=0, stride_s=0, HAS_RES: tl.constexpr = False):
+                     R=None, S=None, stride_r=0, stride_s=0, HAS_RES: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+        wait_previous(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -228,8 +233,10 @@ if HAVE_TRITON:
     def _qk_norm_rope(Q, K, QW, KW, COS, SIN, QO, KO, stride_qt, stride_qh, stride_kt, stride_kh, stride_qot,
                       stride_qoh, stride_kot, stride_koh, stride_c, n_q, n_k, rot_half, head_dim, eps_q, eps_k,
                       NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                      BLOCK_HK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_HK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PDL: tl.constexpr = False):
         # one program per token: its query heads, then its key heads
+        wait_previous(PDL)
         t = tl.program_id(0)
         _norm_rope_heads(Q, QW, COS, SIN, QO, t, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c, n_q,
                          rot_half, head_dim, eps_q, NORM, ZERO_CENTRED, BLOCK_HQ, BLOCK, BLOCK_D)
@@ -329,7 +336,7 @@ def _rmsnorm_launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, zero_cen
     block = triton.next_power_of_2(n_cols)
     _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
                             ZERO_CENTRED=zero_centred, FP32_PRODUCT=fp32_product, BLOCK=block,
-                            num_warps=min(8, max(1, block // 256)), **res)
+                            num_warps=min(8, max(1, block // 256)), **res, **pdl.options())
     return y, rstd, s
 
 
@@ -523,7 +530,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos.stride(0), Hq, Hk,
         rot_half, D, eps_q, eps_k, NORM=norm, ZERO_CENTRED=zero_centred, BLOCK_HQ=triton.next_power_of_2(Hq),
         BLOCK_HK=triton.next_power_of_2(Hk), BLOCK=triton.next_power_of_2(max(rot_half, 1)),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl.options(),
     )
     return qo, ko
 

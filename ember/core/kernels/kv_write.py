@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from ember.core.kernels import pdl
 from ember.core.kernels.fused import HAVE_TRITON, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ember.core.kernels.pdl import wait_previous
+
     @triton.jit
     def _kv_write(K, V, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh, H, D,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+        wait_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
@@ -48,4 +52,5 @@ def kv_write(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     T, H, D = k.shape
     if T:
         _kv_write[(T,)](k, v, kc_flat, vc_flat, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), H, D,
-                        BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+                        BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+                        **pdl.options())

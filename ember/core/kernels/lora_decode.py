@@ -42,12 +42,14 @@ import warnings
 
 import torch
 
-from ember.core.kernels import fused
+from ember.core.kernels import fused, pdl
 from ember.core.kernels.grouped import grouped_linear
 
 if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from ember.core.kernels.pdl import wait_previous
 
     @triton.jit
     def _group_rows(OFFS, ROWS, g, HAS_ROWS: tl.constexpr):
@@ -68,7 +70,9 @@ if fused.HAVE_TRITON:
         K, R,
         HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_BLOCK: tl.constexpr, PREC: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        wait_previous(PDL)
         k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < K
         r = tl.program_id(2) * R_BLOCK + tl.arange(0, R_BLOCK)
@@ -97,7 +101,9 @@ if fused.HAVE_TRITON:
         N_OUT, R,
         HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        wait_previous(PDL)
         ob = tl.program_id(1)
         r = tl.arange(0, R_PAD)
         o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -232,6 +238,7 @@ def lora_shrink(
         K, R,
         HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
         BLOCK_M=block_m, BLOCK_K=block_k, R_BLOCK=r_block, PREC=_prec(A), num_warps=4,
+        **pdl.options(),
         num_stages=1,  # pipelined, the group and row loops asked for more shared memory than an SM has (H100)
     )
     return h
@@ -272,7 +279,7 @@ def lora_expand_add(
         h.stride(0), B.stride(0), B.stride(1), y.stride(0),
         n_out, R,
         HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
-        BLOCK_M=block_m, BLOCK_O=block_o, R_PAD=r_pad, PREC=_prec(B), num_warps=4,
+        BLOCK_M=block_m, BLOCK_O=block_o, R_PAD=r_pad, PREC=_prec(B), num_warps=4, **pdl.options(),
     )
     return y
 

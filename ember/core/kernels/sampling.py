@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.core.kernels import fused
+from ember.core.kernels import fused, pdl
 
 BLOCK = 2048
 CHUNKS = 16  # chunks per row (programs of the first launch per row)
@@ -32,6 +32,8 @@ CHUNKS = 16  # chunks per row (programs of the first launch per row)
 if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from ember.core.kernels.pdl import wait_previous
 
     @triton.jit
     def _chunk_mass(base, c0, c1, cols, m, inv_t, V, BLOCK: tl.constexpr):
@@ -45,7 +47,8 @@ if fused.HAVE_TRITON:
         return total
 
     @triton.jit
-    def _partials(Z, INV_T, M, E1, ARG, W, stride_z, V, CHUNK, S, BLOCK: tl.constexpr):
+    def _partials(Z, INV_T, M, E1, ARG, W, stride_z, V, CHUNK, S, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        wait_previous(PDL)
         row = tl.program_id(0)
         s = tl.program_id(1)
         base = Z + row.to(tl.int64) * stride_z
@@ -78,7 +81,8 @@ if fused.HAVE_TRITON:
 
     @triton.jit
     def _finish(Z, INV_T, U, M, E1, ARG, W, TOK, LP, stride_z, V, CHUNK, S,
-                S_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                S_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        wait_previous(PDL)
         row = tl.program_id(0)
         base = Z + row.to(tl.int64) * stride_z
         neg_inf = float("-inf")
@@ -146,9 +150,10 @@ def sample_rows(z: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor)
     e1 = torch.empty_like(m)
     arg = torch.empty(B, S, dtype=torch.int32, device=z.device)
     w = torch.empty(B, S, dtype=torch.float64, device=z.device)
-    _partials[(B, S)](z, inv_temperature, m, e1, arg, w, z.stride(0), V, chunk, S, BLOCK=BLOCK, num_warps=8)
+    _partials[(B, S)](z, inv_temperature, m, e1, arg, w, z.stride(0), V, chunk, S, BLOCK=BLOCK, num_warps=8,
+                      **pdl.options())
     _finish[(B,)](z, inv_temperature, u, m, e1, arg, w, tok, lp, z.stride(0), V, chunk, S,
-                  S_PAD=max(2, triton.next_power_of_2(S)), BLOCK=BLOCK, num_warps=8)
+                  S_PAD=max(2, triton.next_power_of_2(S)), BLOCK=BLOCK, num_warps=8, **pdl.options())
     return tok, lp
 
 

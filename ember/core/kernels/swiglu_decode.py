@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.core.kernels import fused
+from ember.core.kernels import fused, pdl
 from ember.core.kernels.lora_decode import _pow2, _prec
 
 if fused.HAVE_TRITON:
@@ -29,6 +29,7 @@ if fused.HAVE_TRITON:
     import triton.language as tl
 
     from ember.core.kernels.lora_decode import _group_rows
+    from ember.core.kernels.pdl import wait_previous
 
     @triton.jit
     def _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M: tl.constexpr, HAS_ROWS: tl.constexpr):
@@ -45,7 +46,9 @@ if fused.HAVE_TRITON:
         HAS_ROWS: tl.constexpr, HAS_GU: tl.constexpr, HAS_DOWN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, RD_PAD: tl.constexpr,
         PREC: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        wait_previous(PDL)
         cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         cmask = cols < I
         r = tl.arange(0, R_PAD)
@@ -141,6 +144,6 @@ def swiglu_lora(
         N, I, R, RD,
         HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
         BLOCK_M=block_m, BLOCK_K=BLOCK_K, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
-        PREC=_prec(B_gu if gate_up is not None else A_d), num_warps=8,
+        PREC=_prec(B_gu if gate_up is not None else A_d), num_warps=8, **pdl.options(),
     )
     return act

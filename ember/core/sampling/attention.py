@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ember.core.config import AttentionSpec
-from ember.core.kernels import fused
+from ember.core.kernels import fused, pdl
 from ember.core.layers.attention import PackedAttention
 from ember.core.layers.qsa import BlockSelection, selected_attention
 from ember.core.layers.relative_attention import PackedRelativeAttention, RelativeAttentionSpec
@@ -41,6 +41,8 @@ from ember.core.sampling.kv_cache import SCRATCH_PAGE, PagedKVCache
 if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from ember.core.kernels.pdl import wait_previous
 
     @triton.jit
     def _decode_split_range(n, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -109,6 +111,7 @@ if fused.HAVE_TRITON:
         HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr,
         HAS_SELECT: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's visible
         tokens, BLOCK_N at a time (any number of pages: each token's page comes from the block
@@ -125,6 +128,7 @@ if fused.HAVE_TRITON:
         in ``SEL[b]`` (``[B, C]`` block numbers, ``-1``: none) and those after the query's last
         complete block are visible, and only those are read: the program walks ``sel_span = (C + 1)
         · sel_block`` virtual tokens, the listed blocks' then the tail's, instead of the sequence."""
+        wait_previous(PDL)
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
@@ -217,10 +221,12 @@ if fused.HAVE_TRITON:
         NUM_SPLITS: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
         HAS_SINK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per (sequence, query head): merges the partial softmaxes of the sequence's
         splits, and the sink's logit with ``HAS_SINK`` (sequences finished by a single split are
         left alone)."""
+        wait_previous(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(LENS + b)
@@ -384,6 +390,7 @@ def paged_decode_triton(
         HAS_SINK=sinks is not None,
         HAS_SELECT=selected is not None,
         **_DECODE_LAUNCH,
+        **pdl.options(),
     )
     if num_splits > 1:
         _paged_decode_combine[(B, Hq)](
@@ -404,6 +411,7 @@ def paged_decode_triton(
             SPLITS_PAD=_pow2(num_splits),
             HAS_SINK=sinks is not None,
             num_warps=4,
+            **pdl.options(),
         )
     return out
 

@@ -125,6 +125,10 @@ class SamplerConfig:
       side stream prefetches about this many MiB of the next product's weight into L2, while the
       main stream runs the small kernels between the two (:mod:`ember.core.sampling.prefetch`;
       Hopper GPUs; 0: off). The tokens are the same either way.
+    * ``dependent_launch``: with the static decoder on a Hopper GPU, the step's small Triton kernels
+      (norms, rotations, LoRA, KV write, attention, the draw) are launched with programmatic
+      dependent launch: each launches while the one before it runs and waits on the device for
+      it (:mod:`ember.core.kernels.pdl`). The tokens are the same either way.
     """
 
     max_seqs: int = 256
@@ -140,6 +144,7 @@ class SamplerConfig:
     prefix_sharing: bool = True
     overlap_decode: bool = True
     prefetch_mb: int = 0
+    dependent_launch: bool = False
 
 
 class StepRecord(NamedTuple):
@@ -241,7 +246,7 @@ class SamplingEngine:
             buckets = config.buckets or default_buckets(config.max_seqs)
             self.static = StaticDecoder(
                 model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states,
-                prefetch_bytes=config.prefetch_mb << 20,
+                prefetch_bytes=config.prefetch_mb << 20, dependent_launch=config.dependent_launch,
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None

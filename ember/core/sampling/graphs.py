@@ -14,6 +14,8 @@ every pointer fixed, so this decoder
   group: no work;
 * with ``prefetch_bytes``, on a dense bf16 model, fetches part of each next product's weight into
   L2 while the small kernels between two products run (:mod:`ember.core.sampling.prefetch`).
+* with ``dependent_launch``, on Hopper, launches the step's small Triton kernels with programmatic
+  dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`).
 
 Routed experts keep their grouped products (routing, sort and group ends stay on the device, so
 they capture too); their LoRA factors are stacked per expert group (one per slot with expert LoRA,
@@ -54,6 +56,7 @@ import torch
 
 from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
+from ember.core.kernels import pdl
 from ember.core.layers.moe import Experts
 from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
@@ -107,6 +110,7 @@ class StaticDecoder:
         use_graphs: bool,
         states: RecurrentStateStore | None = None,
         prefetch_bytes: int = 0,
+        dependent_launch: bool = False,
     ):
         self.model = model
         self.cache = cache
@@ -134,6 +138,8 @@ class StaticDecoder:
         # products come between two dense ones and would evict it)
         dense = not any(isinstance(m, Experts) for m in model.modules())
         self.prefetch = WeightPrefetch(prefetch_bytes) if prefetch_bytes > 0 and dense else None
+        # the step's small Triton kernels launched programmatically dependent (Hopper; kernels.pdl)
+        self.dependent_launch = dependent_launch and pdl.supported(cache.device)
 
     def sync(self, slots: Iterable[int]) -> None:
         """Refresh the adapter stacks of ``slots`` (call when their requests are admitted)."""
@@ -258,6 +264,10 @@ class StaticDecoder:
 
     def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        with pdl.launches(self.dependent_launch):
+            return self._step(buf, use_lora, head, span)
+
+    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         # the positions' host-known bound: below the span past QSA's threshold, below the threshold
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1

@@ -63,7 +63,6 @@ import statistics
 import sys
 import time
 import traceback
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -152,9 +151,6 @@ def _timed(engine, reqs, rows: int, floor_bytes: float, before=None) -> tuple[di
         "floor_bytes": floor_bytes,
         "static_decode": engine.static is not None,
         "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
-        # one checksum per sampled sequence: engine variants that must not change the tokens are
-        # compared on these (the LoRA shrink's fp32 atomic adds may still flip a rare token)
-        "sequence_crc32": [zlib.crc32(np.asarray(s.tokens, np.int64).tobytes()) for r in results for s in r.sequences],
     }
     out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
     return out, results
@@ -528,10 +524,6 @@ def main() -> None:
                     f"{r['steps_to_prefill']} steps, its TTFT {r['long_prompt_ttft_s']:.3f}s; it sampled "
                     f"{r['long_token']} (logprob {r['long_logprob']:.4f})"
                 )
-            base = results.get(name.split("+")[0], {})
-            if "+" in name and "sequence_crc32" in r and "sequence_crc32" in base:
-                same = sum(a == b for a, b in zip(r["sequence_crc32"], base["sequence_crc32"]))
-                line += f"  same tokens as {name.split('+')[0]}: {same}/{len(r['sequence_crc32'])} sequences"
             if "prefix_pages_reused" in r:
                 line += (
                     f"  prefill {r['prefill_s']:.2f}s over {r['prefill_tokens']} tokens"

@@ -718,72 +718,6 @@ def check_add_norm() -> None:
         print(f"  add + rmsnorm, {rows} rows: one kernel {one:.1f} us, add then norm {two:.1f} us")
 
 
-def check_l2_prefetch() -> None:
-    """The L2 prefetch of the next product's weight (``kernels.l2_prefetch`` through
-    ``sampling.prefetch.WeightPrefetch``): it changes no memory, and what it saves. Each timed step is a
-    decode-shaped product (64 rows) over one of several weight copies (together larger than L2)
-    followed by a chain of tiny kernels (the latency-bound stretch between two products in a decode
-    layer), in one CUDA graph; with a prefetch budget, part of the next copy is fetched during the
-    chain. The chain is also run with a 64 MiB read in it (a decode layer's attention streams about
-    that much KV through L2 at Qwen3-8B's workload a), to see whether the fetched lines survive it,
-    with the plain and the ``evict_last`` policy. Prints the microseconds per product + chain, with the
-    product alone and the chain alone."""
-    import torch.nn.functional as F
-
-    from ember.core.kernels import l2_prefetch
-    from ember.core.sampling.prefetch import WeightPrefetch
-
-    if not l2_prefetch.supported(torch.zeros(1, device="cuda")):
-        print("l2 prefetch: needs sm_90 and Triton; skipped")
-        return
-    torch.manual_seed(0)
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    before = w.clone()
-    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    y0 = F.linear(x, w)
-    l2_prefetch.prefetch(w, w.numel() * w.element_size())
-    y1 = F.linear(x, w)
-    torch.cuda.synchronize()
-    report("l2 prefetch leaves the weight and the product unchanged",
-           float((w != before).any() or (y0 != y1).any()), 0.0)
-    small = torch.zeros(64, 128, device="cuda")
-    kv = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
-    kv_sum = torch.zeros((), dtype=torch.int64, device="cuda")
-    print("l2 prefetch: us per product + chain of tiny kernels (64 rows, bf16, CUDA graph); "
-          "'+kv': a 64 MiB read in the chain; 'el': the evict_last policy")
-    for name, (n, k) in {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 12288),
-                         "gate_up": (24576, 4096)}.items():
-        nbytes = n * k * 2
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(4, -(-(400 << 20) // nbytes)))]
-        xin = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-        for chain, read_kv in ((4, False), (8, False), (8, True)):
-            def step(pf=None, gemm=True, chain=chain, read_kv=read_kv, ws=ws, xin=xin):
-                if pf is not None:
-                    pf.begin()
-                for w in ws:
-                    if gemm:
-                        F.linear(xin, w)
-                        if pf is not None:
-                            pf.after(w)
-                    for i in range(chain):
-                        if read_kv and i == chain // 2:
-                            torch.sum(kv, dtype=torch.int64, out=kv_sum)
-                        small.add_(1.0)
-                if pf is not None:
-                    pf.end()
-            alone = graph_us([lambda: step(chain=0)]) / len(ws)
-            only_chain = graph_us([lambda: step(gemm=False)]) / len(ws)
-            what = f"chain of {chain}{' +kv' if read_kv else ''}"
-            line = f"  {name:8s} {nbytes / 2**20:6.1f} MiB  product {alone:6.1f}  {what:15s} {only_chain:6.1f} |"
-            for mb, evict_last in ((0, False), (4, False), (8, False), (16, False), (32, False), (16, True), (32, True)):
-                pf = WeightPrefetch(mb << 20, evict_last=evict_last) if mb else None
-                if pf is not None:
-                    step(pf)  # learns the order
-                t = graph_us([lambda pf=pf: step(pf)]) / len(ws)
-                line += f"  {mb}{' el' if evict_last else ''}: {t:6.1f}"
-            print(line, flush=True)
-
-
 def check_kv_write() -> None:
     """The one-launch paged-cache write (``kernels.kv_write``) against the two ``index_copy_`` it
     replaces: equal bit for bit (bf16, strided value heads of a packed q/k/v product), and the GPU
@@ -1138,7 +1072,6 @@ CHECKS = {
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),
     "kv_write": lambda: check_kv_write(),
-    "l2_prefetch": lambda: check_l2_prefetch(),
     "add_norm": lambda: check_add_norm(),
     "pdl": lambda: check_pdl(),
     "pdl_decode": lambda: check_pdl_decode(),

@@ -169,7 +169,6 @@ def run_ember(
     keep: bool = False,
     precision: str = "bf16",
     overlap: bool = True,
-    prefetch_mb: int = 0,
     dependent_launch: bool = False,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
@@ -186,7 +185,6 @@ def run_ember(
         static_decode=static,
         rollout_precision=precision,
         overlap_decode=overlap,
-        prefetch_mb=prefetch_mb,
         dependent_launch=dependent_launch,
     )
     sync()
@@ -425,12 +423,10 @@ def main() -> None:
                     help="workload a (and gap): the sampler's copy of the base weights (the trainer stays bf16)")
     ap.add_argument("--long-prompt", type=int, default=16384, help="stall: the long prompt's tokens")
     ap.add_argument("--step-tokens", type=int, default=2048, help="stall: max_prefill_tokens, the per-step budget")
-    ap.add_argument("--prefetch-mb", default=str(SamplerConfig.prefetch_mb),
-                    help="SamplerConfig.prefetch_mb (L2 prefetch of the next weight in decode steps); a comma "
-                         "list runs the a/b workloads once per value (later values named <workload>+pf<MiB>)")
     ap.add_argument("--dependent-launch", default=str(int(SamplerConfig.dependent_launch)),
                     help="SamplerConfig.dependent_launch (0/1; programmatic dependent launch of the decode step's "
-                         "Triton kernels); a comma list runs the a/b workloads once per value and --prefetch-mb")
+                         "Triton kernels); a comma list runs the a/b workloads once per value (later values named "
+                         "<workload>+pdl or <workload>+nopdl)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
@@ -452,9 +448,8 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    # engine variants: every --prefetch-mb value with every --dependent-launch value
-    variants = [(int(mb), bool(int(dl))) for dl in args.dependent_launch.split(",") for mb in args.prefetch_mb.split(",")]
-    current = {"prefetch_mb": variants[0][0], "dependent_launch": variants[0][1]}
+    variants = [bool(int(v)) for v in args.dependent_launch.split(",")]
+    current = {"dependent_launch": variants[0]}
 
     def ember(*a, **k):
         return run_ember(*a, **current, **k)
@@ -485,14 +480,13 @@ def main() -> None:
     }
     results: dict[str, dict] = {}
     hf_skip = hf_baseline_unavailable(hf_cfg)
-    # with several engine variants the a/b workloads run once per variant; the first variant's results
-    # keep the workload's name, the others are named "<workload>+pf<MiB>" and/or "<workload>+pdl"
+    # with several --dependent-launch values the a/b workloads run once per value; the first value's
+    # results keep the workload's name, the others are named "<workload>+pdl" / "<workload>+nopdl"
     runs = [(name, variants[0]) for name in [*early, *only]]
-    for mb, dl in variants[1:]:
-        suffix = (f"+pf{mb}" if mb else "") + ("+pdl" if dl else "") or "+pf0"
-        runs += [(name + suffix, (mb, dl)) for name in only if name in plan and name.startswith(("a", "b"))]
-    for name, (mb, dl) in runs:
-        current.update(prefetch_mb=mb, dependent_launch=dl)
+    for dl in variants[1:]:
+        runs += [(name + ("+pdl" if dl else "+nopdl"), dl) for name in only if name in plan and name.startswith(("a", "b"))]
+    for name, dl in runs:
+        current["dependent_launch"] = dl
         if name == "gap":
             continue
         if name == "hf" and hf_skip:

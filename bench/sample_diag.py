@@ -55,7 +55,7 @@ def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool |
         cuda_graphs=graphs,
         static_decode=static,
         overlap_decode=overlap,
-        **options,  # prefetch_mb, dependent_launch
+        **options,  # dependent_launch
     )
     return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
 
@@ -262,8 +262,6 @@ def main() -> None:
     ap.add_argument("--gap-prompts", type=int, default=16)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--only", default="steps,gemm,sampling,gap")
-    ap.add_argument("--prefetch-mb", type=int, default=SamplerConfig.prefetch_mb,
-                    help="steps: SamplerConfig.prefetch_mb (L2 prefetch of the next weight)")
     ap.add_argument("--dependent-launch", action="store_true",
                     help="steps: SamplerConfig.dependent_launch (programmatic dependent launch)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -276,8 +274,7 @@ def main() -> None:
     results: dict = {"hardware": hardware_line(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     only = args.only.split(",")
     if "steps" in only:
-        r = step_breakdown(model, prompts, args.new, args.rank, prefetch_mb=args.prefetch_mb,
-                           dependent_launch=args.dependent_launch)
+        r = step_breakdown(model, prompts, args.new, args.rank, dependent_launch=args.dependent_launch)
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "gemm" in only:

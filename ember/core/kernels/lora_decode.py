@@ -131,8 +131,10 @@ if fused.HAVE_TRITON:
 
 _STATE = {"ok": True}
 # programs per split across the groups (each walks every GROUP_PROGRAMS-th group): bounds the launch
-# size for a bank of many slots while a few busy adapters still run side by side
-GROUP_PROGRAMS = 4
+# size for a bank of many slots while a few busy adapters still run side by side. 8 against 4, at
+# 256 rows over 8 busy adapters (H100, bench/lora_decode.py; 36 layers' shrinks and expands that a
+# decode step launches): 1,566 against 1,773 us a step; one busy adapter has one program either way
+GROUP_PROGRAMS = 8
 _TILE = 8192  # elements of the largest register tile (weights slice, rows block) of one program
 
 

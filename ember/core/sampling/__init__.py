@@ -6,7 +6,6 @@
 * :mod:`.attention` — prefill and decode attention over the cache (Triton decode kernel on CUDA)
 * :mod:`.decode` / :mod:`.graphs` — eager decode steps; static-shape steps for CUDA graphs
 * :mod:`.static_route` — the static steps' LoRA route, stacked factors and packed base weights
-* :mod:`.prefetch` — the static steps' L2 prefetch of the next product's weight
 * :mod:`.logits` — LM-head logits, temperature / top-k / top-p, seeded sampling
 * :mod:`.requests` — token-level requests, results and stop rules
 """

@@ -121,10 +121,6 @@ class SamplerConfig:
       the host's share of a step runs while the GPU decodes (:meth:`SamplingEngine._decode`; rows
       that sample with top-k/top-p or record anything from the logits or the routing make the
       step synchronous). The tokens are the same either way.
-    * ``prefetch_mb``: with the static decoder on a dense model in bf16, after each base product a
-      side stream prefetches about this many MiB of the next product's weight into L2, while the
-      main stream runs the small kernels between the two (:mod:`ember.core.sampling.prefetch`;
-      Hopper GPUs; 0: off). The tokens are the same either way.
     * ``dependent_launch``: with the static decoder on a Hopper GPU, the step's small Triton kernels
       (norms, rotations, LoRA, KV write, attention, the draw) are launched with programmatic
       dependent launch: each launches while the one before it runs and waits on the device for
@@ -143,7 +139,6 @@ class SamplerConfig:
     rollout_precision: str = "bf16"
     prefix_sharing: bool = True
     overlap_decode: bool = True
-    prefetch_mb: int = 0
     dependent_launch: bool = False
 
 
@@ -246,7 +241,7 @@ class SamplingEngine:
             buckets = config.buckets or default_buckets(config.max_seqs)
             self.static = StaticDecoder(
                 model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states,
-                prefetch_bytes=config.prefetch_mb << 20, dependent_launch=config.dependent_launch,
+                dependent_launch=config.dependent_launch,
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None

@@ -12,8 +12,6 @@ every pointer fixed, so this decoder
   through an ``offsets`` tensor, and each shared-input group's base weights are packed into one
   GEMM. One graph thus serves any mix of adapters, and a configured-but-unused slot is an empty
   group: no work;
-* with ``prefetch_bytes``, on a dense bf16 model, fetches part of each next product's weight into
-  L2 while the small kernels between two products run (:mod:`ember.core.sampling.prefetch`).
 * with ``dependent_launch``, on Hopper, launches the step's small Triton kernels with programmatic
   dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`).
 
@@ -57,7 +55,6 @@ import torch
 from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import pdl
-from ember.core.layers.moe import Experts
 from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
 from ember.core.logprobs import chunk_logits
@@ -66,7 +63,6 @@ from ember.core.sampling.attention import DecodeAttention
 from ember.core.sampling.decode import DecodeBatch, DecodeContext
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
-from ember.core.sampling.prefetch import WeightPrefetch
 from ember.core.sampling.static_route import LoraStacks, PackedLinears, StaticRoute, shared_input_groups
 
 
@@ -109,7 +105,6 @@ class StaticDecoder:
         buckets: tuple[int, ...],
         use_graphs: bool,
         states: RecurrentStateStore | None = None,
-        prefetch_bytes: int = 0,
         dependent_launch: bool = False,
     ):
         self.model = model
@@ -134,10 +129,6 @@ class StaticDecoder:
         self._pool = None
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
-        # L2 prefetch of the next product's weight: dense models only (a routed-expert layer's
-        # products come between two dense ones and would evict it)
-        dense = not any(isinstance(m, Experts) for m in model.modules())
-        self.prefetch = WeightPrefetch(prefetch_bytes) if prefetch_bytes > 0 and dense else None
         # the step's small Triton kernels launched programmatically dependent (Hopper; kernels.pdl)
         self.dependent_launch = dependent_launch and pdl.supported(cache.device)
 
@@ -271,12 +262,8 @@ class StaticDecoder:
         # the positions' host-known bound: below the span past QSA's threshold, below the threshold
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
-        # not while rollout copies are attached: the products read those, not the weights
-        prefetch = self.prefetch if not rollout_precision.attached(self.model) else None
-        if prefetch is not None:
-            prefetch.begin()
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
-                            rows=buf.positions.shape[0], prefetch=prefetch)
+                            rows=buf.positions.shape[0])
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True),
@@ -292,8 +279,6 @@ class StaticDecoder:
         vocab = self.model.vocab_split  # the LM head split by vocabulary (tensor parallelism)
         weight = self.model.unembed_weight if vocab is None else vocab.local(self.model.unembed_weight)
         logits = chunk_logits(hidden, weight, [], 0, hidden.shape[0])
-        if prefetch is not None:
-            prefetch.after(weight)
         if use_lora:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
         logits = gather_vocab(logits, vocab)
@@ -304,8 +289,6 @@ class StaticDecoder:
         chosen = torch.stack([tokens.to(torch.float64), token_lp.to(torch.float64)])
         if head:  # the stability record's head of every row, in the same graph and the same copy
             chosen = torch.cat([chosen, head_record(logits, softcap, buf.floats[0], tokens, head).T])
-        if prefetch is not None:
-            prefetch.end()
         return logits, chosen
 
     def run(self, batch: DecodeBatch, feed: tuple[torch.Tensor, Sequence[int]] | None = None

@@ -30,7 +30,6 @@ from ember.core.kernels.grouped import grouped_linear
 from ember.core.kernels.swiglu_decode import swiglu_lora
 from ember.core.layers.lora import LoraLinear, side_by_side
 from ember.core.models.base import CausalLM
-from ember.core.sampling.prefetch import WeightPrefetch
 
 RANK_MULTIPLE = 16
 EXPERT_RANK_MULTIPLE = 8
@@ -260,10 +259,8 @@ class StaticRoute:
         packed: PackedLinears | None = None,
         lora: bool = True,
         rows: int | None = None,
-        prefetch: WeightPrefetch | None = None,
     ):
         self.stacks = stacks
-        self.prefetch = prefetch
         self.offsets = offsets
         self.n_rows = n_rows
         self.packed = packed
@@ -275,13 +272,6 @@ class StaticRoute:
         self._workspace: torch.Tensor | None = None
         self._used = 0
         self._active: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def _product(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """Group ``key``'s packed base product (then the prefetch of the next product's weight)."""
-        y = self.packed.product(key, x)
-        if self.prefetch is not None:
-            self.prefetch.after(self.packed.weights[key][0])
-        return y
 
     @property
     def active(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,13 +343,10 @@ class StaticRoute:
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = self.packed.rows(name, weight) if self.packed is not None and x.dim() == 2 else None
         if rows is None:
-            y = F.linear(x, weight, bias)
-            if self.prefetch is not None:
-                self.prefetch.after(weight)
-            return self.add_delta(name, x, y)
+            return self.add_delta(name, x, F.linear(x, weight, bias))
         key, start, end = rows
         if self._y is None or self._y[0] != key or self._y[1] is not x:
-            y = self._product(key, x)
+            y = self.packed.product(key, x)
             stacks = self.stacks.fused.get(key) if self.lora else None
             if stacks is not None:
                 triton = self._triton(y, x, *stacks)
@@ -389,7 +376,7 @@ class StaticRoute:
         tensors = [x, *(gu_stacks or ()), *((down_A,) if down_A is not None else ())]
         if not self._triton(*tensors) or (gu_stacks is not None and gu_stacks[1].shape[1] != 2 * gate.out_features):
             return None
-        gu = self._product(key, x)
+        gu = self.packed.product(key, x)
         gate_up = (self._group_h(key, x, True), gu_stacks[1]) if gu_stacks is not None else None
         h_down = self._zeros(x.shape[0], down_A.shape[1], x.device) if down_A is not None else None
         act = swiglu_lora(gu, self.offsets, self.active, self.n_rows, gate_up,

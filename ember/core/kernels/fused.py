@@ -35,14 +35,16 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 
 if HAVE_TRITON:
-    from ember.core.kernels.pdl import wait_previous
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, ZERO_CENTRED: tl.constexpr,
                      FP32_PRODUCT: tl.constexpr, BLOCK: tl.constexpr,
                      R=None, S=None, stride_r=0, stride_s=0, HAS_RES: tl.constexpr = False,
                      PDL: tl.constexpr = False):
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -236,7 +238,9 @@ if HAVE_TRITON:
                       BLOCK_HK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                       PDL: tl.constexpr = False):
         # one program per token: its query heads, then its key heads
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0)
         _norm_rope_heads(Q, QW, COS, SIN, QO, t, stride_qt, stride_qh, stride_qot, stride_qoh, stride_c, n_q,
                          rot_half, head_dim, eps_q, NORM, ZERO_CENTRED, BLOCK_HQ, BLOCK, BLOCK_D)

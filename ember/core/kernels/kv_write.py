@@ -19,12 +19,14 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ember.core.kernels.pdl import wait_previous
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _kv_write(K, V, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh, H, D,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]

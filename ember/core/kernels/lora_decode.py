@@ -49,7 +49,7 @@ if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ember.core.kernels.pdl import wait_previous
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _group_rows(OFFS, ROWS, g, HAS_ROWS: tl.constexpr):
@@ -72,7 +72,9 @@ if fused.HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_BLOCK: tl.constexpr, PREC: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < K
         r = tl.program_id(2) * R_BLOCK + tl.arange(0, R_BLOCK)
@@ -103,7 +105,9 @@ if fused.HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         ob = tl.program_id(1)
         r = tl.arange(0, R_PAD)
         o = ob * BLOCK_O + tl.arange(0, BLOCK_O)

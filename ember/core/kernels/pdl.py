@@ -6,10 +6,16 @@ drains one grid and only then starts launching the next. With programmatic depen
 next grid is launched while the previous one runs, and waits on the device (``griddepcontrol.wait``)
 for the previous grid to finish and its memory to be visible; the launch latency is hidden.
 
-Every kernel that takes part has a ``PDL: tl.constexpr`` argument and calls :func:`wait_previous`
+Every kernel that takes part has a ``PDL: tl.constexpr`` argument and begins with::
+
+    if PDL:
+        gdc_wait()  # the grid before this one has finished and its writes are visible
+        gdc_launch_dependents()  # the next grid may launch now; it waits the same way
+
 before its first load or store. Transitively that also orders it after every earlier kernel (each
-one waited for its own predecessor before it could finish). It then lets its dependents launch at
-once; they wait in turn.
+one waited for its own predecessor before it could finish). The block is written out in each
+kernel rather than called as a helper: under the Triton interpreter (the CPU tests) a nested
+``@triton.jit`` call costs more than many of the kernels' bodies.
 
 Launches use it only inside :func:`launches` ``(True)`` (the static decoder's steps, when its
 config asks), on a Hopper or newer GPU with a Triton that has the instructions:
@@ -30,7 +36,6 @@ _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("ember_pdl", default=
 HAVE_TRITON = HAVE_GDC = False
 try:  # imported by ``fused``, so this module cannot take these from it
     import triton
-    import triton.language as tl
 
     HAVE_TRITON = True
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -39,20 +44,15 @@ try:  # imported by ``fused``, so this module cannot take these from it
 except ImportError:  # pragma: no cover - no Triton, or one without the grid dependency control instructions
     pass
 
-if HAVE_TRITON:
-    if HAVE_GDC:
+if HAVE_TRITON and not HAVE_GDC:  # pragma: no cover - the kernels name them; PDL is never on then
 
-        @triton.jit
-        def wait_previous(PDL: tl.constexpr):
-            if PDL:
-                gdc_wait()  # the previous grid has finished and its writes are visible
-                gdc_launch_dependents()  # the next grid may launch now; it waits the same way
+    @triton.jit
+    def gdc_wait():
+        pass
 
-    else:  # pragma: no cover
-
-        @triton.jit
-        def wait_previous(PDL: tl.constexpr):
-            pass
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 
 def supported(device: torch.device) -> bool:

@@ -33,7 +33,7 @@ if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ember.core.kernels.pdl import wait_previous
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _chunk_mass(base, c0, c1, cols, m, inv_t, V, BLOCK: tl.constexpr):
@@ -48,7 +48,9 @@ if fused.HAVE_TRITON:
 
     @triton.jit
     def _partials(Z, INV_T, M, E1, ARG, W, stride_z, V, CHUNK, S, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         s = tl.program_id(1)
         base = Z + row.to(tl.int64) * stride_z
@@ -82,7 +84,9 @@ if fused.HAVE_TRITON:
     @triton.jit
     def _finish(Z, INV_T, U, M, E1, ARG, W, TOK, LP, stride_z, V, CHUNK, S,
                 S_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         base = Z + row.to(tl.int64) * stride_z
         neg_inf = float("-inf")

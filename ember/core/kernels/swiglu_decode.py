@@ -29,7 +29,7 @@ if fused.HAVE_TRITON:
     import triton.language as tl
 
     from ember.core.kernels.lora_decode import _group_rows
-    from ember.core.kernels.pdl import wait_previous
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M: tl.constexpr, HAS_ROWS: tl.constexpr):
@@ -48,7 +48,9 @@ if fused.HAVE_TRITON:
         PREC: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         cmask = cols < I
         r = tl.arange(0, R_PAD)

@@ -42,7 +42,7 @@ if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ember.core.kernels.pdl import wait_previous
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _decode_split_range(n, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -128,7 +128,9 @@ if fused.HAVE_TRITON:
         in ``SEL[b]`` (``[B, C]`` block numbers, ``-1``: none) and those after the query's last
         complete block are visible, and only those are read: the program walks ``sel_span = (C + 1)
         · sel_block`` virtual tokens, the listed blocks' then the tail's, instead of the sequence."""
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
@@ -226,7 +228,9 @@ if fused.HAVE_TRITON:
         """One program per (sequence, query head): merges the partial softmaxes of the sequence's
         splits, and the sink's logit with ``HAS_SINK`` (sequences finished by a single split are
         left alone)."""
-        wait_previous(PDL)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(LENS + b)

@@ -169,7 +169,7 @@ def run_ember(
     keep: bool = False,
     precision: str = "bf16",
     overlap: bool = True,
-    dependent_launch: bool = False,
+    dependent_launch: bool = SamplerConfig.dependent_launch,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)

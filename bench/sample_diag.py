@@ -262,7 +262,7 @@ def main() -> None:
     ap.add_argument("--gap-prompts", type=int, default=16)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--only", default="steps,gemm,sampling,gap")
-    ap.add_argument("--dependent-launch", action="store_true",
+    ap.add_argument("--dependent-launch", type=int, choices=(0, 1), default=int(SamplerConfig.dependent_launch),
                     help="steps: SamplerConfig.dependent_launch (programmatic dependent launch)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
@@ -274,7 +274,7 @@ def main() -> None:
     results: dict = {"hardware": hardware_line(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     only = args.only.split(",")
     if "steps" in only:
-        r = step_breakdown(model, prompts, args.new, args.rank, dependent_launch=args.dependent_launch)
+        r = step_breakdown(model, prompts, args.new, args.rank, dependent_launch=bool(args.dependent_launch))
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "gemm" in only:

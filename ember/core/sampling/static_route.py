@@ -67,7 +67,6 @@ class PackedLinears:
         self.weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.member: dict[str, tuple[str, int, int]] = {}  # module -> (group, first row, end row)
         self.modules: dict[str, list[LoraLinear]] = {}  # group -> its members
-        self._views: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for members in shared_input_groups(model):
                 ws = [m.weight for m in members]
@@ -84,7 +83,6 @@ class PackedLinears:
                     if b is not None:
                         m.bias.data = b[start:end]
                     self.member[m.lora_name] = (key, start, end)
-                    self._views[m.lora_name] = m.weight
                     start = end
                 self.weights[key] = (W, b)
                 self.modules[key] = members

@@ -17,6 +17,8 @@
 * the Gated DeltaNet rule through fla (bf16, chunked over packed sequences with initial states,
   and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
   a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout
+* the static decoder (fp32, three adapters) with programmatic dependent launch (``pdl_decode``) and
+  with the decode GEMM (``decode_gemm``) against the same decoder without them
 
 Prints the largest relative errors; exits non-zero if one exceeds its bf16 tolerance.
 """
@@ -1005,22 +1007,17 @@ def check_pdl() -> None:
         print(line, flush=True)
 
 
-def check_pdl_decode() -> None:
-    """The static decoder with programmatic dependent launch (``SamplerConfig.dependent_launch``)
-    against the same engine without it: 8 layers of a Qwen3 in fp32 (so the LoRA shrink's atomic
-    adds move logprobs by ~1e-6, not the bf16 ulps that flip tokens of a random model), three
-    adapters mixed, 48 prompts sampled 64 tokens each through CUDA graphs, seeds fixed. A kernel
-    that read its input before the kernel before it finished would change the logprobs far beyond
-    that; the base engine is also run twice to show the noise."""
+def _decoder_variants(label: str, variants: list[tuple[str, dict]]) -> None:
+    """The static decoder with each of ``variants``' ``SamplerConfig`` options against the same
+    engine without them: 8 layers of a Qwen3 in fp32 (so the LoRA shrink's atomic adds move
+    logprobs by ~1e-6, not the bf16 ulps that flip tokens of a random model), three adapters mixed,
+    48 prompts sampled 64 tokens each through CUDA graphs, seeds fixed. Run the base options again
+    among the variants to show the noise."""
     from bench.common import random_ember_model
     from bench.sample import fill_adapters, make_prompts
     from ember.core.adapters import AdapterBank
-    from ember.core.kernels import pdl
     from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule
 
-    if not pdl.supported(torch.device("cuda")):
-        print("pdl decode: needs sm_90 and a Triton with griddepcontrol; skipped")
-        return
     cfg = {"model_type": "qwen3", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3072,
            "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
            "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
@@ -1030,19 +1027,19 @@ def check_pdl_decode() -> None:
     slots = fill_adapters(bank, 3, 16)
     prompts = make_prompts(cfg["vocab_size"], 48, 40)
 
-    def sample(dependent_launch: bool):
+    def sample(options: dict):
         config = SamplerConfig(max_seqs=64, kv_tokens=64 * 128, static_decode=True, cuda_graphs=True,
-                               dependent_launch=dependent_launch)
+                               **{"dependent_launch": False, "decode_gemm": False, **options})
         engine = SamplingEngine(model, bank, config, max_seq_len=128)
-        assert engine.static is not None and engine.static.dependent_launch == dependent_launch
+        assert engine.static is not None
         reqs = [GenerationRequest(p, 64, [7 + i], slot=slots[i % 3], temperature=1.0, stop=StopRule())
                 for i, p in enumerate(prompts)]
         seqs = [s for r in engine.generate(reqs) for s in r.sequences]
         return [list(s.tokens) for s in seqs], [np.asarray(s.logprobs) for s in seqs]
 
-    base_tokens, base_lp = sample(False)
-    for name, on in (("base again", False), ("dependent launch", True)):
-        tokens, lp = sample(on)
+    base_tokens, base_lp = sample({})
+    for name, options in variants:
+        tokens, lp = sample(options)
         same = sum(a == b for a, b in zip(tokens, base_tokens))
         # logprobs of the positions before a sequence's first different token
         err = 0.0
@@ -1050,10 +1047,34 @@ def check_pdl_decode() -> None:
             n = next((i for i, (a, b) in enumerate(zip(t0, t1)) if a != b), len(t0))
             if n:
                 err = max(err, float(np.abs(l0[:n] - l1[:n]).max()))
-        print(f"  pdl decode, {name}: {same}/{len(tokens)} sequences identical, max |d logprob| {err:.2e}")
-        report(f"pdl decode ({name}) against the base engine: logprobs, fp32", err, 1e-4)
-        report(f"pdl decode ({name}) against the base engine: share of sequences not identical",
+        print(f"  {label}, {name}: {same}/{len(tokens)} sequences identical, max |d logprob| {err:.2e}")
+        report(f"{label} ({name}) against the base engine: logprobs, fp32", err, 1e-4)
+        report(f"{label} ({name}) against the base engine: share of sequences not identical",
                1 - same / len(tokens), 0.1)
+
+
+def check_pdl_decode() -> None:
+    """Programmatic dependent launch (``SamplerConfig.dependent_launch``) in the static decoder
+    (:func:`_decoder_variants`). A kernel that read its input before the kernel before it finished
+    would change the logprobs far beyond the noise."""
+    from ember.core.kernels import pdl
+
+    if not pdl.supported(torch.device("cuda")):
+        print("pdl decode: needs sm_90 and a Triton with griddepcontrol; skipped")
+        return
+    _decoder_variants("pdl decode", [("base again", {}), ("dependent launch", {"dependent_launch": True})])
+
+
+def check_decode_gemm_decode() -> None:
+    """The decode GEMM with the LoRA expand in its epilogue (``SamplerConfig.decode_gemm``) in the
+    static decoder (:func:`_decoder_variants`), alone and with programmatic dependent launch (its
+    weight prefetch before the wait)."""
+    from ember.core.kernels import pdl
+
+    variants = [("base again", {}), ("decode GEMM", {"decode_gemm": True})]
+    if pdl.supported(torch.device("cuda")):
+        variants.append(("decode GEMM + dependent launch", {"decode_gemm": True, "dependent_launch": True}))
+    _decoder_variants("decode GEMM", variants)
 
 
 CHECKS = {
@@ -1075,6 +1096,7 @@ CHECKS = {
     "add_norm": lambda: check_add_norm(),
     "pdl": lambda: check_pdl(),
     "pdl_decode": lambda: check_pdl_decode(),
+    "decode_gemm": lambda: check_decode_gemm_decode(),
     "swiglu_lora": lambda: check_swiglu_lora(),
     "mixed": lambda: check_mixed(),
     "rebuild": lambda: check_rebuild(),

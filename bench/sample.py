@@ -170,6 +170,7 @@ def run_ember(
     precision: str = "bf16",
     overlap: bool = True,
     dependent_launch: bool = SamplerConfig.dependent_launch,
+    decode_gemm: bool = SamplerConfig.decode_gemm,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -186,6 +187,7 @@ def run_ember(
         rollout_precision=precision,
         overlap_decode=overlap,
         dependent_launch=dependent_launch,
+        decode_gemm=decode_gemm,
     )
     sync()
     t_start = time.perf_counter()
@@ -427,6 +429,10 @@ def main() -> None:
                     help="SamplerConfig.dependent_launch (0/1; programmatic dependent launch of the decode step's "
                          "Triton kernels); a comma list runs the a/b workloads once per value (later values named "
                          "<workload>+pdl or <workload>+nopdl)")
+    ap.add_argument("--decode-gemm", default=str(int(SamplerConfig.decode_gemm)),
+                    help="SamplerConfig.decode_gemm (0/1; the decode step's dense products as Ember's decode GEMM with "
+                         "the LoRA expand in its epilogue, else cuBLAS); a comma list as for --dependent-launch (names "
+                         "<workload>+gemm or <workload>+cublas)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
@@ -448,8 +454,14 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    variants = [bool(int(v)) for v in args.dependent_launch.split(",")]
-    current = {"dependent_launch": variants[0]}
+    # one variant per (--dependent-launch, --decode-gemm) pair; the first keeps the workloads' names
+    variants = [{"dependent_launch": bool(int(dl)), "decode_gemm": bool(int(g))}
+                for dl in args.dependent_launch.split(",") for g in args.decode_gemm.split(",")]
+    current = dict(variants[0])
+
+    def suffix(v: dict) -> str:
+        names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm")}
+        return "".join(names[k][v[k]] for k in names if v[k] != variants[0][k])
 
     def ember(*a, **k):
         return run_ember(*a, **current, **k)
@@ -480,13 +492,13 @@ def main() -> None:
     }
     results: dict[str, dict] = {}
     hf_skip = hf_baseline_unavailable(hf_cfg)
-    # with several --dependent-launch values the a/b workloads run once per value; the first value's
-    # results keep the workload's name, the others are named "<workload>+pdl" / "<workload>+nopdl"
+    # with several variants the a/b workloads run once per variant; the first variant's results keep
+    # the workload's name, the others are named by what differs ("a+pdl", "b+gemm", ...)
     runs = [(name, variants[0]) for name in [*early, *only]]
-    for dl in variants[1:]:
-        runs += [(name + ("+pdl" if dl else "+nopdl"), dl) for name in only if name in plan and name.startswith(("a", "b"))]
-    for name, dl in runs:
-        current["dependent_launch"] = dl
+    for v in variants[1:]:
+        runs += [(name + suffix(v), v) for name in only if name in plan and name.startswith(("a", "b"))]
+    for name, v in runs:
+        current.update(v)
         if name == "gap":
             continue
         if name == "hf" and hf_skip:

@@ -126,6 +126,10 @@ class SamplerConfig:
       dependent launch: each launches while the one before it runs and waits on the device for
       it (:mod:`ember.core.kernels.pdl`). The tokens are the same either way (on by default:
       Qwen3-8B workload a 8.55 against 8.65 ms a step on an H100, ``docs/performance.md``).
+    * ``decode_gemm``: with the static decoder, the dense base products (packed q/k/v, o, packed
+      gate/up, down) run as Ember's decode GEMM (:mod:`ember.core.kernels.decode_gemm`) with each
+      row's LoRA expand in its epilogue, instead of cuBLAS followed by a separate expand. Off by
+      default until it is measured faster in a whole step (``bench/sample.py --decode-gemm 0,1``).
     """
 
     max_seqs: int = 256
@@ -141,6 +145,7 @@ class SamplerConfig:
     prefix_sharing: bool = True
     overlap_decode: bool = True
     dependent_launch: bool = True
+    decode_gemm: bool = False
 
 
 class StepRecord(NamedTuple):
@@ -242,7 +247,7 @@ class SamplingEngine:
             buckets = config.buckets or default_buckets(config.max_seqs)
             self.static = StaticDecoder(
                 model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states,
-                dependent_launch=config.dependent_launch,
+                dependent_launch=config.dependent_launch, decode_gemm=config.decode_gemm,
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None

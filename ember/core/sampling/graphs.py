@@ -54,7 +54,9 @@ import torch
 
 from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
-from ember.core.kernels import pdl
+from ember.core.kernels import decode_gemm as decode_gemm_kernel
+from ember.core.kernels import fused, pdl
+from ember.core.layers.lora import LoraLinear
 from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
 from ember.core.logprobs import chunk_logits
@@ -106,6 +108,7 @@ class StaticDecoder:
         use_graphs: bool,
         states: RecurrentStateStore | None = None,
         dependent_launch: bool = False,
+        decode_gemm: bool = False,
     ):
         self.model = model
         self.cache = cache
@@ -131,6 +134,12 @@ class StaticDecoder:
         self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
         # the step's small Triton kernels launched programmatically dependent (Hopper; kernels.pdl)
         self.dependent_launch = dependent_launch and pdl.supported(cache.device)
+        # the decode GEMM's split-K workspace, for every bucket's rows and the widest dense product
+        self.gemm = None
+        if decode_gemm and fused.use_triton(torch.empty(0, device=cache.device)):
+            widest = max([m.out_features for m in model.modules() if isinstance(m, LoraLinear) and m is not getattr(model, "lm_head", None)]
+                         + [W.shape[0] for W, _ in self.packed.weights.values()], default=0)
+            self.gemm = decode_gemm_kernel.Workspace(self.buckets[-1], widest, cache.device)
 
     def sync(self, slots: Iterable[int]) -> None:
         """Refresh the adapter stacks of ``slots`` (call when their requests are admitted)."""
@@ -263,7 +272,7 @@ class StaticDecoder:
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
-                            rows=buf.positions.shape[0])
+                            rows=buf.positions.shape[0], gemm=self.gemm)
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True),

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
-from ember.core.kernels import fused, lora_decode
+from ember.core.kernels import decode_gemm, fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
 from ember.core.kernels.swiglu_decode import swiglu_lora
 from ember.core.layers.lora import LoraLinear, side_by_side
@@ -97,14 +97,18 @@ class PackedLinears:
             return None
         return entry
 
+    def rollout(self, key: str) -> bool:
+        """Whether group ``key`` multiplies through its members' rollout copies now."""
+        first = self.modules[key][0]
+        return first.rollout is not None and first.rollout.active
+
     def product(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """Group ``key``'s base product ``x @ W.T + b``: through its members' rollout copies while
         they are in use (:func:`~ember.core.rollout_precision.group_product`, laid side by side as
         the weights are), else through the packed weights."""
         W, b = self.weights[key]
-        members = self.modules[key]
-        if members[0].rollout is not None and members[0].rollout.active:
-            return rollout_precision.group_product(members, x, b)
+        if self.rollout(key):
+            return rollout_precision.group_product(self.modules[key], x, b)
         return F.linear(x, W, b)
 
 
@@ -247,7 +251,12 @@ class StaticRoute:
 
     Routed experts (MoE layers) run their ordinary grouped products over (expert, group) pairs: a
     row's group is its slot's expert group (:attr:`LoraStacks.expert_group`), and the factors are
-    the stacks' ``[E, G, R, in]`` / ``[E, G, out, R]`` seen as ``E·G`` pairs."""
+    the stacks' ``[E, G, R, in]`` / ``[E, G, out, R]`` seen as ``E·G`` pairs.
+
+    ``gemm`` (a :class:`~ember.core.kernels.decode_gemm.Workspace`): the dense base products run as
+    the decode GEMM (:mod:`ember.core.kernels.decode_gemm`) with the LoRA expand in its epilogue,
+    the shrink first; rollout copies and shapes it does not take keep cuBLAS and the separate
+    expand."""
 
     def __init__(
         self,
@@ -257,6 +266,7 @@ class StaticRoute:
         packed: PackedLinears | None = None,
         lora: bool = True,
         rows: int | None = None,
+        gemm: decode_gemm.Workspace | None = None,
     ):
         self.stacks = stacks
         self.offsets = offsets
@@ -264,6 +274,7 @@ class StaticRoute:
         self.packed = packed
         self.lora = lora
         self.rows = rows  # the padded row count (the routed experts' groups need it)
+        self.gemm = gemm  # the decode GEMM's workspace; None: base products through cuBLAS
         self._token_group: torch.Tensor | None = None
         self._h: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, h of the group)
         self._y: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, packed output)
@@ -338,17 +349,44 @@ class StaticRoute:
         copy, if any, included): a rollout copy then hands its product over to it."""
         return self.packed is not None and x.dim() == 2 and self.packed.rows(module.lora_name, module.weight) is not None
 
+    def _gemm_ok(self, x: torch.Tensor, weight: torch.Tensor, B: torch.Tensor | None) -> bool:
+        """Whether the decode GEMM takes this product (with LoRA factors ``B``, if any)."""
+        return (
+            self.gemm is not None
+            and decode_gemm.supported(x, weight)
+            and (B is None or (self._triton(x, B) and B.stride(-1) == 1))
+        )
+
+    def _gemm(self, key: str, j: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              B: torch.Tensor | None) -> torch.Tensor:
+        """The decode GEMM of ``x`` and ``weight`` with, given ``B``, member ``j`` of group ``key``'s
+        LoRA expand in its epilogue (the group's shrink runs first, once per input)."""
+        lora = None
+        if B is not None:
+            R = B.shape[-1]
+            h = self._group_h(key, x, True)[:, j * R : (j + 1) * R]
+            lora = (h, B, self.offsets, self.n_rows, self.active)
+        return decode_gemm.decode_linear(x, weight, bias, lora=lora, workspace=self.gemm)
+
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = self.packed.rows(name, weight) if self.packed is not None and x.dim() == 2 else None
         if rows is None:
+            st = self.stacks.stacks.get(name) if self.lora else None
+            if self._gemm_ok(x, weight, st[1] if st is not None else None):
+                key, j = self.stacks.member[name] if st is not None else (name, 0)
+                return self._gemm(key, j, x, weight, bias, st[1] if st is not None else None)
             return self.add_delta(name, x, F.linear(x, weight, bias))
         key, start, end = rows
         if self._y is None or self._y[0] != key or self._y[1] is not x:
-            y = self.packed.product(key, x)
             stacks = self.stacks.fused.get(key) if self.lora else None
-            if stacks is not None:
-                triton = self._triton(y, x, *stacks)
-                y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton)
+            W, b = self.packed.weights[key]
+            if not self.packed.rollout(key) and self._gemm_ok(x, W, stacks[1] if stacks is not None else None):
+                y = self._gemm(key, 0, x, W, b, stacks[1] if stacks is not None else None)
+            else:
+                y = self.packed.product(key, x)
+                if stacks is not None:
+                    triton = self._triton(y, x, *stacks)
+                    y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton)
             self._y = (key, x, y)
         return self._y[2][:, start:end]
 
@@ -374,7 +412,9 @@ class StaticRoute:
         tensors = [x, *(gu_stacks or ()), *((down_A,) if down_A is not None else ())]
         if not self._triton(*tensors) or (gu_stacks is not None and gu_stacks[1].shape[1] != 2 * gate.out_features):
             return None
-        gu = self.packed.product(key, x)
+        W, b = self.packed.weights[key]
+        gu = (self._gemm(key, 0, x, W, b, None) if not self.packed.rollout(key) and self._gemm_ok(x, W, None)
+              else self.packed.product(key, x))
         gate_up = (self._group_h(key, x, True), gu_stacks[1]) if gu_stacks is not None else None
         h_down = self._zeros(x.shape[0], down_A.shape[1], x.device) if down_A is not None else None
         act = swiglu_lora(gu, self.offsets, self.active, self.n_rows, gate_up,

@@ -1,0 +1,182 @@
+"""The decode GEMM (``ember.core.kernels.decode_gemm``) against cuBLAS at Qwen3-8B's decode shapes.
+
+For each product of a decode step (packed q/k/v, o, packed gate/up, down, the LM head) and each row
+count, every layer's weight is a distinct tensor (so each call streams it from HBM, as in a step)
+and the calls of all layers are captured in one CUDA graph (``common.graph_us``). Printed per
+launch configuration: microseconds a call, the bandwidth of the bytes it must move, and its share of
+the copy bandwidth; then, at the best configuration, the product with its LoRA expand in the
+epilogue against cuBLAS followed by ``lora_decode.lora_expand_add`` (what the step runs today), with
+and without programmatic dependent launch. ``--out``: the best configuration of each shape as JSON.
+
+    python3 bench/decode_gemm.py                          # 64 and 256 rows, every shape
+    python3 bench/decode_gemm.py --rows 64 --shapes o,down --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import copy_bandwidth, graph_us, hardware_line
+from ember.core.kernels import decode_gemm as dg
+from ember.core.kernels import lora_decode as ld
+from ember.core.kernels import pdl
+
+HIDDEN, INTER, Q, KV, VOCAB, LAYERS = 4096, 12288, 4096, 1024, 151936, 36
+# shape -> (N, K, LoRA members (0: none))
+SHAPES = {
+    "qkv": (Q + 2 * KV, HIDDEN, 3),
+    "o": (HIDDEN, Q, 1),
+    "gate_up": (2 * INTER, HIDDEN, 2),
+    "down": (HIDDEN, INTER, 1),
+    "lm_head": (VOCAB, HIDDEN, 0),
+}
+SMEM = 220 * 1024  # bytes of shared memory a block may use on Hopper (227 KB, less a margin)
+
+
+def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]:
+    """Launch configurations worth timing: the pipeline fits shared memory, and the grid gives
+    between half a wave and eight waves of programs."""
+    out = {dg.config(M, N, K, sms)}
+    block_ms = sorted({max(16, min(b, dg._pow2(M))) for b in (64, 128, 256)})
+    for bn, bm, bk, split, stages in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4), (3, 4, 5)):
+        if K % (bk * split) or (bn + bm) * bk * 2 * stages > SMEM:
+            continue
+        programs = -(-N // bn) * -(-M // bm) * split
+        if not sms // 2 <= programs <= 8 * sms:
+            continue
+        warps = 8 if bn * bm >= 128 * 128 else 4
+        out.add(dg.Config(bn, bm, bk, split, stages, warps))
+    out = sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.stages))
+    if quick:  # fewer pipeline depths
+        out = [c for c in out if c.stages == 4 or c == dg.config(M, N, K, sms)]
+    return out
+
+
+def lora_stacks(N: int, members: int, rank: int, busy: int) -> torch.Tensor:
+    R = members * rank
+    B = torch.randn(busy + 1, N, R, device="cuda", dtype=torch.bfloat16) * R**-0.5
+    B[0] = 0
+    return B
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="64,256")
+    ap.add_argument("--busy", default="1,8", help="adapters with rows, one per --rows entry")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--quick", action="store_true", help="time only 4-stage pipelines")
+    ap.add_argument("--prefetch", default="0,512,2048", help="bytes per weight row prefetched into L2 (with PDL)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/decode_gemm.py times CUDA kernels: it needs a GPU")
+    print(f"hardware: {hardware_line()}; torch {torch.__version__}")
+    bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")
+    torch.manual_seed(0)
+    best: dict[str, dict] = {}
+    ws = dg.Workspace(256, VOCAB, "cuda", tiles=1 << 16)
+    for M, busy in zip(map(int, args.rows.split(",")), map(int, args.busy.split(","))):
+        counts = torch.zeros(busy + 1, dtype=torch.long)
+        counts[1:] = M // busy
+        counts[-1] += M - int(counts.sum())
+        offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+        n_rows = torch.tensor([M], dtype=torch.int32, device="cuda")
+        active = ld.active_groups(offs, n_rows, skip_first=True)
+        for name in args.shapes.split(","):
+            N, K, members = SHAPES[name]
+            L = 2 if name == "lm_head" else args.layers
+            Ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(L)]
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+            nbytes = 2 * (N * K + M * K + M * N)
+            print(f"\n== {name}: [{M}, {K}] x [{N}, {K}]^T, {nbytes / 1e6:.1f} MB a call, floor {nbytes / bw * 1e6:.1f} us ==")
+            ref = F.linear(xs[0], Ws[0]).float()
+
+            def rate(us: float, nbytes: int = nbytes) -> str:
+                return f"{us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s  {nbytes / us / 1e6 / (bw / 1e12):4.0%} of copy"
+
+            cublas = graph_us([lambda x=x, W=W: F.linear(x, W) for x, W in zip(xs, Ws)], iters=10)
+            print(f"  cuBLAS                                           {rate(cublas)}")
+            results = []
+            for cfg in candidates(M, N, K, sms, args.quick):
+                try:
+                    y = dg.decode_linear(xs[0], Ws[0], workspace=ws, cfg=cfg)
+                    err = float((y.float() - ref).abs().max() / ref.abs().max())
+                    us = graph_us([lambda x=x, W=W, c=cfg: dg.decode_linear(x, W, workspace=ws, cfg=c)
+                                   for x, W in zip(xs, Ws)], iters=10)
+                except Exception as e:  # noqa: BLE001 - e.g. Triton's OutOfResources for a large tile
+                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                if err > 2e-2:
+                    raise SystemExit(f"{name} {cfg}: max error {err:.2e} against cuBLAS")
+                results.append((us, cfg))
+            results.sort(key=lambda r: r[0])
+            default = dg.config(M, N, K, sms)
+            for us, cfg in results[:8] + [r for r in results[8:] if r[1] == default]:
+                mark = " (default)" if cfg == default else ""
+                print(f"  bn {cfg.block_n:3} bm {cfg.block_m:3} bk {cfg.block_k:3} split {cfg.split_k} "
+                      f"stages {cfg.stages} warps {cfg.warps}         {rate(us)}{mark}")
+            # the best few with programmatic dependent launch, and the weights' first bytes prefetched
+            pdl_results = []
+            if pdl.supported(torch.device("cuda")):
+                for (_, cfg), pf in itertools.product(results[:3], map(int, args.prefetch.split(","))):
+                    c = dg.Config(**{**cfg.__dict__, "prefetch": pf})
+                    with pdl.launches(True):
+                        us = graph_us([lambda x=x, W=W, c=c: dg.decode_linear(x, W, workspace=ws, cfg=c)
+                                       for x, W in zip(xs, Ws)], iters=10)
+                    pdl_results.append((us, c))
+                    print(f"  PDL, prefetch {pf:4} B/row, bn {c.block_n} bm {c.block_m} bk {c.block_k} split {c.split_k} "
+                          f"st {c.stages}  {rate(us)}")
+            us, cfg = min(results + pdl_results, key=lambda r: r[0])
+            best[f"{name}/{M}"] = {"config": cfg.__dict__, "us": us, "cublas_us": cublas, "bytes": nbytes,
+                                   "speedup": cublas / us}
+            print(f"  best: {cublas / us:.2f}x cuBLAS")
+            if members:
+                B = [lora_stacks(N, members, args.rank, busy) for _ in range(L)]
+                hs = [torch.randn(M, members * args.rank, device="cuda") for _ in range(L)]
+                # the fused epilogue equals the base product plus the separate expand
+                y0 = F.linear(xs[0], Ws[0])
+                sep = ld.lora_expand_add(y0.clone(), hs[0], B[0], offs, n_rows, True, active=active).float()
+                fused_y = dg.decode_linear(xs[0], Ws[0], lora=(hs[0], B[0], offs, n_rows, active), workspace=ws, cfg=cfg)
+                err = float((fused_y.float() - sep).abs().max() / sep.abs().max())
+                assert err < 2e-2, f"LoRA epilogue: max error {err:.2e}"
+                lines = {}
+                for on in (False, True) if pdl.supported(torch.device("cuda")) else (False,):
+                    with pdl.launches(on):
+                        lines[f"cuBLAS + expand, PDL {int(on)}"] = graph_us(
+                            [lambda x=x, W=W, h=h, b=b, o=offs, n=n_rows, a=active:
+                             ld.lora_expand_add(F.linear(x, W), h, b, o, n, True, active=a)
+                             for x, W, h, b in zip(xs, Ws, hs, B)], iters=10)
+                        lines[f"decode GEMM, expand in the epilogue, PDL {int(on)}"] = graph_us(
+                            [lambda x=x, W=W, lo=(h, b, offs, n_rows, active), c=cfg:
+                             dg.decode_linear(x, W, lora=lo, workspace=ws, cfg=c)
+                             for x, W, h, b in zip(xs, Ws, hs, B)], iters=10)
+                print(f"  with LoRA ({busy} adapter(s), rank {args.rank} x {members}; error {err:.1e}):")
+                for k, v in lines.items():
+                    print(f"    {k:48} {v:7.1f} us")
+                best[f"{name}/{M}"]["lora_us"] = lines
+                del B, hs
+            del Ws, xs
+            torch.cuda.empty_cache()
+    print("\nsummary: best decode GEMM against cuBLAS (us a call)")
+    for key, r in best.items():
+        print(f"  {key:14} {r['us']:7.1f} against {r['cublas_us']:7.1f}  {r['speedup']:.2f}x  {r['config']}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode_gemm.json").write_text(json.dumps({"hardware": hardware_line(), "results": best}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

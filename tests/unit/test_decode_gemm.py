@@ -102,12 +102,14 @@ ENGINE_SCRIPT = textwrap.dedent(
     from ember.core.sampling import SamplerConfig
     from tests.unit.test_sampler import CONFIGS, _adapters, _mixed_requests, _tokens, _worker
 
-    launches = []
+    launches = []  # (LORA, output columns) of each launch
     real = decode_gemm._decode_gemm_kernel
     class Counting:
         def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
+            def launch(*args, **kwargs):
+                launches.append((kwargs["LORA"], args[13]))
+                return real[grid](*args, **kwargs)
+            return launch
     decode_gemm._decode_gemm_kernel = Counting()
 
     results = []
@@ -118,7 +120,8 @@ ENGINE_SCRIPT = textwrap.dedent(
         reqs = _mixed_requests(slots)
         reqs[1] = dataclasses.replace(reqs[1], slot=0)
         results.append(worker.sample(reqs))
-    assert launches, "the static decoder never ran the decode GEMM"
+    assert any(lora for lora, _ in launches), "no LoRA expand ran in the decode GEMM's epilogue"
+    assert any(n == worker.model.lm_head.out_features for _, n in launches), "the LM head did not run in it"
     for a, b in zip(*results):
         assert _tokens(a) == _tokens(b)
         for x, y in zip(a.sequences, b.sequences):

@@ -195,7 +195,9 @@ def decode_linear(
     with ``lora = (h, B, offsets, n_rows, active)``, ``h[rows of g] @ B[g].T`` for every active group
     ``g`` (``h`` fp32 ``[M, R]``, ``B`` ``[G, N, R]``, ``offsets``/``n_rows``/``active`` as for
     :func:`~ember.core.kernels.lora_decode.lora_expand_add`; ``n_rows`` may be None). A K split
-    needs ``workspace``; without one the split is dropped. ``cfg`` replaces :func:`config`."""
+    needs ``workspace``; without one (or one too small) the split is dropped. ``cfg`` replaces
+    :func:`config`. ``out``: the ``[M, N]`` result to write, of any float dtype (fp32 logits from
+    bf16 operands: the accumulator is rounded once, to it)."""
     if not supported(x, W):
         raise ValueError(f"decode_linear: unsupported operands x {x.dtype} {tuple(x.shape)}, W {W.dtype} {tuple(W.shape)}")
     M, K = x.shape

@@ -54,8 +54,9 @@ def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]
         if not sms // 2 <= programs <= 8 * sms:
             continue
         warps = 8 if bn * bm >= 128 * 128 else 4
-        out.add(dg.Config(bn, bm, bk, split, stages, warps))
-    out = sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.stages))
+        for tma in (False, True):
+            out.add(dg.Config(bn, bm, bk, split, stages, warps, tma=tma))
+    out = sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.stages, c.tma))
     if quick:  # fewer pipeline depths
         out = [c for c in out if c.stages == 4 or c == dg.config(M, N, K, sms)]
     return out
@@ -127,7 +128,7 @@ def main() -> None:
             for us, cfg in results[:8] + [r for r in results[8:] if r[1] == default]:
                 mark = " (default)" if cfg == default else ""
                 print(f"  bn {cfg.block_n:3} bm {cfg.block_m:3} bk {cfg.block_k:3} split {cfg.split_k} "
-                      f"stages {cfg.stages} warps {cfg.warps}         {rate(us)}{mark}")
+                      f"stages {cfg.stages} warps {cfg.warps} tma {int(cfg.tma)}   {rate(us)}{mark}")
             # the best few with programmatic dependent launch, and the weights' first bytes prefetched
             pdl_results = []
             if pdl.supported(torch.device("cuda")):
@@ -138,7 +139,7 @@ def main() -> None:
                                        for x, W in zip(xs, Ws)], iters=10)
                     pdl_results.append((us, c))
                     print(f"  PDL, prefetch {pf:4} B/row, bn {c.block_n} bm {c.block_m} bk {c.block_k} split {c.split_k} "
-                          f"st {c.stages}  {rate(us)}")
+                          f"st {c.stages} tma {int(c.tma)}  {rate(us)}")
             us, cfg = min(results + pdl_results, key=lambda r: r[0])
             best[f"{name}/{M}"] = {"config": cfg.__dict__, "us": us, "cublas_us": cublas, "bytes": nbytes,
                                    "speedup": cublas / us}

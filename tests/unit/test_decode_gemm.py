@@ -43,6 +43,7 @@ KERNEL_SCRIPT = textwrap.dedent(
         (64, 128, 512, dg.Config(block_n=64, block_m=64, block_k=64, split_k=4), True, [0, 30, 0, 34]),
         (50, 72, 128, dg.Config(block_n=16, block_m=16, block_k=32, split_k=2), False, [5, 0, 0, 45]),
         (9, 40, 96, None, True, [9, 0]),  # the default configuration, K of 32-column blocks
+        (37, 80, 256, dg.Config(block_n=32, block_m=16, block_k=64, split_k=2, tma=True), True, [3, 0, 20, 14]),
     ]
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for i, (M, N, K, cfg, has_bias, sizes) in enumerate(cases):
@@ -139,22 +140,26 @@ def test_static_decode_through_the_decode_gemm_equals_eager(hf_models):
     assert "OK" in run_interpreted(f"PATH = {str(path)!r}\n" + ENGINE_SCRIPT, timeout=900)
 
 
-def test_decode_gemm_compiles_for_hopper():
+@pytest.mark.parametrize("tma", [False, True])
+def test_decode_gemm_compiles_for_hopper(tma):
     """Compiled for sm_90 with the weight prefetch and programmatic dependent launch: the L2
     prefetch is issued before ``griddepcontrol.wait``, the products are wgmma, and the K loop is
-    pipelined (cp.async), given the 16-divisible strides a real launch specialises on."""
+    pipelined (cp.async through pointers, given the 16-divisible strides a real launch specialises
+    on, or the bulk tensor copies of tensor descriptors)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from ember.core.kernels.decode_gemm import _decode_gemm_kernel
 
-    names = ["X", "W", "Y", "BIAS", "WS", "CNT", "H", "B", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE",
+    names = ["X", "W", "Y", "BIAS", "WS", "CNT", "H", "B", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE", "XD", "WD",
              "M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_hm", "stride_bg", "stride_bn", "R"]
+    descs = ["tensordesc<bf16[64, 128]>", "tensordesc<bf16[128, 128]>"] if tma else ["*bf16", "*bf16"]
     types = ["*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*i32", "*fp32", "*bf16", "*i32", "*i32", "*i32", "*i32"]
-    signature = dict(zip(names, types + ["i32"] * 10))
-    divisible = [i for i, n in enumerate(names) if n not in ("M", "R")]
+    signature = dict(zip(names, types + descs + ["i32"] * 10))
+    divisible = [i for i, n in enumerate(names) if n not in ("M", "R", "XD", "WD")]
     constexprs = {"HAS_BIAS": False, "LORA": True, "HAS_ROWS": True, "BLOCK_N": 128, "BLOCK_M": 64,
-                  "BLOCK_K": 128, "SPLIT_K": 2, "R_PAD": 32, "PREFETCH": 512, "PREC": "tf32", "PDL": True}
+                  "BLOCK_K": 128, "SPLIT_K": 2, "R_PAD": 32, "PREFETCH": 512, "PREC": "tf32", "TMA": tma,
+                  "PDL": True}
     try:
         compiled = triton.compile(
             triton.compiler.ASTSource(fn=_decode_gemm_kernel, signature=signature, constexprs=constexprs,
@@ -166,5 +171,8 @@ def test_decode_gemm_compiles_for_hopper():
     prefetch, wait = ptx.find("cp.async.bulk.prefetch.L2.global"), ptx.find("griddepcontrol.wait")
     assert 0 <= prefetch < wait, "the weight prefetch must be issued before the dependency wait"
     assert "wgmma.mma_async" in ptx
-    assert ptx.count("cp.async.cg.shared.global") >= 8, "the K loop is not pipelined"
+    if tma:
+        assert ptx.count("cp.async.bulk.tensor") >= 2 and "cp.async.cg.shared.global" not in ptx
+    else:
+        assert ptx.count("cp.async.cg.shared.global") >= 8, "the K loop is not pipelined"
     assert compiled.metadata.shared >= 3 * (128 + 64) * 128 * 2, "fewer than 3 stages in shared memory"

@@ -29,6 +29,7 @@ caller, so CUDA graphs keep pointing at live memory.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,18 +39,20 @@ from ember.core.kernels import fused, pdl
 if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _decode_gemm_kernel(
         X, W, Y, BIAS, WS, CNT,
-        H, B, OFFS, ROWS, ACTIVE, N_ACTIVE,
+        H, B, OFFS, ROWS, ACTIVE, N_ACTIVE, XD, WD,
         M, N, K,
         stride_xm, stride_wn, stride_ym, stride_hm, stride_bg, stride_bn, R,
         HAS_BIAS: tl.constexpr, LORA: tl.constexpr, HAS_ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        R_PAD: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False,
+        R_PAD: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -73,9 +76,13 @@ if fused.HAVE_TRITON:
             gdc_launch_dependents()
         x_ptr = X + m.to(tl.int64)[:, None] * stride_xm + (k0 + kb)[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for _ in range(0, k_split, BLOCK_K):
-            w = tl.load(w_ptr, mask=nmask[:, None], other=0.0)
-            x = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
+        for kk in range(0, k_split, BLOCK_K):
+            if TMA:  # the bulk tensor copy engine; rows past the edges read as zeros
+                w = WD.load([pid_n * BLOCK_N, k0 + kk])
+                x = XD.load([pid_m * BLOCK_M, k0 + kk])
+            else:
+                w = tl.load(w_ptr, mask=nmask[:, None], other=0.0)
+                x = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
             acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=PREC)
             w_ptr += BLOCK_K
             x_ptr += BLOCK_K
@@ -123,7 +130,8 @@ if fused.HAVE_TRITON:
 class Config:
     """One launch of :func:`decode_linear`: tile sides, the K split, the pipeline depth, warps, and
     the bytes of each weight row prefetched into L2 before the dependency wait (0: none; the
-    prefetch is issued only under programmatic dependent launch)."""
+    prefetch is issued only under programmatic dependent launch), and whether the tiles are loaded
+    through tensor descriptors (the bulk tensor copy engine, Hopper) instead of pointers."""
 
     block_n: int = 128
     block_m: int = 64
@@ -132,6 +140,7 @@ class Config:
     stages: int = 4
     warps: int = 4
     prefetch: int = 0
+    tma: bool = False
 
 
 def _pow2(n: int) -> int:
@@ -207,7 +216,7 @@ def decode_linear(
         cfg = config(M, N, K, sms)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
     if cfg.split_k > 1 and (workspace is None or not workspace.fits(M, N, grid[0] * grid[1])):
-        cfg = Config(cfg.block_n, cfg.block_m, cfg.block_k, 1, cfg.stages, cfg.warps, cfg.prefetch)
+        cfg = dataclasses.replace(cfg, split_k=1)
         grid = (grid[0], grid[1], 1)
     if K % (cfg.block_k * cfg.split_k):
         raise ValueError(f"decode_linear: K = {K} is not a multiple of block_k {cfg.block_k} x split {cfg.split_k}")
@@ -227,19 +236,27 @@ def decode_linear(
         R = 0
         lora_args = (x, x, x, x, x, x)
         lora_strides = (0, 0, 0, 0)
+    if cfg.tma and not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, W)):
+        cfg = dataclasses.replace(cfg, tma=False)  # the copy engine needs 16-byte aligned rows
+    if cfg.tma:
+        descs = (TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+                 TensorDescriptor.from_tensor(W, [cfg.block_n, cfg.block_k]))
+    else:
+        descs = (x, W)
     ws = workspace.sums if cfg.split_k > 1 else y
     cnt = workspace.counters if cfg.split_k > 1 else y
     opts = pdl.options()
     prefetch = min(cfg.prefetch, K // cfg.split_k * x.element_size()) // 16 * 16 if opts["PDL"] else 0
     _decode_gemm_kernel[grid](
         x, W, y, bias if bias is not None else y, ws, cnt,
-        *lora_args,
+        *lora_args, *descs,
         M, N, K,
         x.stride(0), W.stride(0), y.stride(0), *lora_strides,
         HAS_BIAS=bias is not None, LORA=lora is not None, HAS_ROWS=lora is not None and lora[3] is not None,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         R_PAD=max(16, _pow2(R)), PREFETCH=prefetch,
         PREC="ieee" if W.dtype == torch.float32 else "tf32",  # fp32: exact products, as cuBLAS without TF32
+        TMA=cfg.tma,
         num_warps=cfg.warps, num_stages=cfg.stages, **opts,
     )
     return y

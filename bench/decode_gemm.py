@@ -6,7 +6,8 @@ and the calls of all layers are captured in one CUDA graph (``common.graph_us``)
 launch configuration: microseconds a call, the bandwidth of the bytes it must move, and its share of
 the copy bandwidth; then, at the best configuration, the product with its LoRA expand in the
 epilogue against cuBLAS followed by ``lora_decode.lora_expand_add`` (what the step runs today), with
-and without programmatic dependent launch. ``--out``: the best configuration of each shape as JSON.
+and without programmatic dependent launch. ``--out``: the best configuration of each shape as JSON (``decode_gemm.json``, which
+``decode_gemm.load_tuned`` and ``bench/sample.py --gemm-configs`` read).
 
     python3 bench/decode_gemm.py                          # 64 and 256 rows, every shape
     python3 bench/decode_gemm.py --rows 64 --shapes o,down --quick
@@ -45,7 +46,7 @@ SMEM = 220 * 1024  # bytes of shared memory a block may use on Hopper (227 KB, l
 def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]:
     """Launch configurations worth timing: the pipeline fits shared memory, and the grid gives
     between half a wave and eight waves of programs."""
-    out = {dg.config(M, N, K, sms)}
+    out = {dg.heuristic(M, N, K, sms)}
     block_ms = sorted({max(16, min(b, dg._pow2(M))) for b in (64, 128, 256)})
     for bn, bm, bk, split, stages in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4), (3, 4, 5)):
         if K % (bk * split) or (bn + bm) * bk * 2 * stages > SMEM:
@@ -58,7 +59,7 @@ def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]
             out.add(dg.Config(bn, bm, bk, split, stages, warps, tma=tma))
     out = sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.stages, c.tma))
     if quick:  # fewer pipeline depths
-        out = [c for c in out if c.stages == 4 or c == dg.config(M, N, K, sms)]
+        out = [c for c in out if c.stages == 4 or c == dg.heuristic(M, N, K, sms)]
     return out
 
 
@@ -124,7 +125,7 @@ def main() -> None:
                     raise SystemExit(f"{name} {cfg}: max error {err:.2e} against cuBLAS")
                 results.append((us, cfg))
             results.sort(key=lambda r: r[0])
-            default = dg.config(M, N, K, sms)
+            default = dg.heuristic(M, N, K, sms)
             for us, cfg in results[:8] + [r for r in results[8:] if r[1] == default]:
                 mark = " (default)" if cfg == default else ""
                 print(f"  bn {cfg.block_n:3} bm {cfg.block_m:3} bk {cfg.block_k:3} split {cfg.split_k} "
@@ -141,8 +142,8 @@ def main() -> None:
                     print(f"  PDL, prefetch {pf:4} B/row, bn {c.block_n} bm {c.block_m} bk {c.block_k} split {c.split_k} "
                           f"st {c.stages} tma {int(c.tma)}  {rate(us)}")
             us, cfg = min(results + pdl_results, key=lambda r: r[0])
-            best[f"{name}/{M}"] = {"config": cfg.__dict__, "us": us, "cublas_us": cublas, "bytes": nbytes,
-                                   "speedup": cublas / us}
+            best[f"{name}/{M}"] = {"M": M, "N": N, "K": K, "config": cfg.__dict__, "us": us, "cublas_us": cublas,
+                                   "bytes": nbytes, "speedup": cublas / us, "use": us < cublas}
             print(f"  best: {cublas / us:.2f}x cuBLAS")
             if members:
                 B = [lora_stacks(N, members, args.rank, busy) for _ in range(L)]
@@ -168,12 +169,16 @@ def main() -> None:
                 for k, v in lines.items():
                     print(f"    {k:48} {v:7.1f} us")
                 best[f"{name}/{M}"]["lora_us"] = lines
+                # the step multiplies with its LoRA: take the kernel where product + expand is faster
+                on = int(pdl.supported(torch.device("cuda")))
+                best[f"{name}/{M}"]["use"] = (lines[f"decode GEMM, expand in the epilogue, PDL {on}"]
+                                              < lines[f"cuBLAS + expand, PDL {on}"])
                 del B, hs
             del Ws, xs
             torch.cuda.empty_cache()
-    print("\nsummary: best decode GEMM against cuBLAS (us a call)")
+    print("\nsummary: best decode GEMM against cuBLAS (us a call; use: the choice load_tuned makes)")
     for key, r in best.items():
-        print(f"  {key:14} {r['us']:7.1f} against {r['cublas_us']:7.1f}  {r['speedup']:.2f}x  {r['config']}")
+        print(f"  {key:14} {r['us']:7.1f} against {r['cublas_us']:7.1f}  {r['speedup']:.2f}x  use {int(r['use'])}  {r['config']}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode_gemm.json").write_text(json.dumps({"hardware": hardware_line(), "results": best}, indent=1))

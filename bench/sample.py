@@ -433,12 +433,19 @@ def main() -> None:
                     help="SamplerConfig.decode_gemm (0/1; the decode step's dense products as Ember's decode GEMM with "
                          "the LoRA expand in its epilogue, else cuBLAS); a comma list as for --dependent-launch (names "
                          "<workload>+gemm or <workload>+cublas)")
+    ap.add_argument("--gemm-configs", type=Path, default=None,
+                    help="decode GEMM launch choices measured by bench/decode_gemm.py --out (its decode_gemm.json)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
     ap.add_argument("--tp", type=int, default=1, help="a-par: tensor-parallel degree")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.gemm_configs is not None:
+        from ember.core.kernels import decode_gemm
+
+        decode_gemm.load_tuned(args.gemm_configs)
+        print(f"decode GEMM launch choices from {args.gemm_configs}: {decode_gemm.TUNED}", flush=True)
     hf_cfg = SHAPES[args.shape]
     torch.manual_seed(0)
     print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)

@@ -4,6 +4,7 @@ split-K workspace is left at zero, and a static decode step through it gives the
 tokens and logprobs (run on the CPU through Triton's interpreter). Compiled for sm_90 (no GPU
 needed), its weight prefetch comes before the dependency wait and its main loop is pipelined."""
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -176,3 +177,29 @@ def test_decode_gemm_compiles_for_hopper(tma):
     else:
         assert ptx.count("cp.async.cg.shared.global") >= 8, "the K loop is not pipelined"
     assert compiled.metadata.shared >= 3 * (128 + 64) * 128 * 2, "fewer than 3 stages in shared memory"
+
+
+def test_tuned_choices_are_read_and_looked_up(tmp_path, monkeypatch):
+    """``load_tuned`` reads ``bench/decode_gemm.py``'s JSON; ``config`` takes the entry of the fewest
+    rows at or above the call's (its row block cut to the rows), the largest past them, None where
+    cuBLAS won, and the heuristic for a shape never measured."""
+    import json
+
+    from ember.core.kernels import decode_gemm as dg
+
+    monkeypatch.setattr(dg, "TUNED", {})
+    big = dg.Config(block_n=64, block_m=256, block_k=64, split_k=1, stages=5, warps=8, tma=True)
+    results = {
+        "o/64": {"M": 64, "N": 4096, "K": 4096, "config": dg.Config(split_k=2).__dict__, "use": True},
+        "o/256": {"M": 256, "N": 4096, "K": 4096, "config": big.__dict__, "use": True},
+        "down/64": {"M": 64, "N": 4096, "K": 12288, "config": dg.Config().__dict__, "use": False},
+    }
+    path = tmp_path / "decode_gemm.json"
+    path.write_text(json.dumps({"hardware": "test", "results": results}))
+    dg.load_tuned(path)
+    assert dg.config(64, 4096, 4096) == dg.Config(split_k=2)
+    assert dg.config(20, 4096, 4096) == dg.Config(split_k=2, block_m=32)
+    assert dg.config(100, 4096, 4096) == dataclasses.replace(big, block_m=128)
+    assert dg.config(512, 4096, 4096) == big
+    assert dg.config(64, 4096, 12288) is None
+    assert dg.config(64, 1024, 4096) == dg.heuristic(64, 1024, 4096)

@@ -147,8 +147,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def config(M: int, N: int, K: int, sms: int = 132) -> Config:
-    """The launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors: every row in one
+# measured launch choices (bench/decode_gemm.py --out writes them, load_tuned reads them): for an
+# [N, K] weight, (largest rows, Config or None) pairs by rows; None: cuBLAS was faster there
+TUNED: dict[tuple[int, int], list[tuple[int, Config | None]]] = {}
+
+
+def load_tuned(path) -> None:
+    """Read :data:`TUNED` entries from a ``bench/decode_gemm.py --out`` JSON file."""
+    import json
+    from pathlib import Path
+
+    for r in json.loads(Path(path).read_text())["results"].values():
+        entries = TUNED.setdefault((r["N"], r["K"]), [])
+        entries.append((r["M"], Config(**r["config"]) if r["use"] else None))
+        entries.sort(key=lambda e: e[0])
+
+
+def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
+    """A launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors: every row in one
     block up to 128 rows, 128 weight rows a tile while that still gives a tile to every SM (64
     otherwise), and the K split that brings the programs up to the SM count."""
     block_m = max(16, min(128, _pow2(M)))
@@ -159,6 +175,19 @@ def config(M: int, N: int, K: int, sms: int = 132) -> Config:
     while tiles * split < sms and K % (block_k * split * 2) == 0 and K // (split * 2) >= 4 * block_k:
         split *= 2
     return Config(block_n=block_n, block_m=block_m, block_k=block_k, split_k=split)
+
+
+def config(M: int, N: int, K: int, sms: int = 132) -> Config | None:
+    """The launch for ``M`` rows of an ``[N, K]`` weight: the :data:`TUNED` entry of the fewest rows
+    at or above ``M`` (its row block cut to ``M``), else the largest; :func:`heuristic` where no
+    shape was measured. None: cuBLAS measured faster for this shape."""
+    entries = TUNED.get((N, K))
+    if not entries:
+        return heuristic(M, N, K, sms)
+    cfg = next((c for rows, c in entries if rows >= M), entries[-1][1])
+    if cfg is None:
+        return None
+    return dataclasses.replace(cfg, block_m=min(cfg.block_m, max(16, _pow2(M))))
 
 
 class Workspace:
@@ -173,6 +202,16 @@ class Workspace:
 
     def fits(self, M: int, N: int, tiles: int) -> bool:
         return M * N <= self.sums.numel() and tiles <= self.counters.numel()
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def preferred(x: torch.Tensor, W: torch.Tensor) -> bool:
+    """Whether :func:`decode_linear` should take this product: :func:`supported`, and not measured
+    slower than cuBLAS at its shape (:data:`TUNED`)."""
+    return supported(x, W) and config(x.shape[0], W.shape[0], W.shape[1], _sms(x.device)) is not None
 
 
 def supported(x: torch.Tensor, W: torch.Tensor) -> bool:
@@ -212,8 +251,7 @@ def decode_linear(
     M, K = x.shape
     N = W.shape[0]
     if cfg is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-        cfg = config(M, N, K, sms)
+        cfg = config(M, N, K, _sms(x.device)) or heuristic(M, N, K, _sms(x.device))
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
     if cfg.split_k > 1 and (workspace is None or not workspace.fits(M, N, grid[0] * grid[1])):
         cfg = dataclasses.replace(cfg, split_k=1)

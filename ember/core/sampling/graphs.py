@@ -287,7 +287,7 @@ class StaticDecoder:
         hidden = self.model.hidden_states(buf.input_ids, ctx)
         vocab = self.model.vocab_split  # the LM head split by vocabulary (tensor parallelism)
         weight = self.model.unembed_weight if vocab is None else vocab.local(self.model.unembed_weight)
-        if self.gemm is not None and vocab is None and decode_gemm_kernel.supported(hidden, weight):
+        if self.gemm is not None and vocab is None and decode_gemm_kernel.preferred(hidden, weight):
             # fp32 logits straight from the kernel's accumulator, as chunk_logits gives them
             logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
             decode_gemm_kernel.decode_linear(hidden, weight, out=logits, workspace=self.gemm)

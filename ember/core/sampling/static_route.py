@@ -353,7 +353,7 @@ class StaticRoute:
         """Whether the decode GEMM takes this product (with LoRA factors ``B``, if any)."""
         return (
             self.gemm is not None
-            and decode_gemm.supported(x, weight)
+            and decode_gemm.preferred(x, weight)
             and (B is None or (self._triton(x, B) and B.stride(-1) == 1))
         )
 

@@ -48,7 +48,7 @@ def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]
     between half a wave and eight waves of programs."""
     out = {dg.heuristic(M, N, K, sms)}
     block_ms = sorted({max(16, min(b, dg._pow2(M))) for b in (64, 128, 256)})
-    for bn, bm, bk, split, stages in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4), (3, 4, 5)):
+    for bn, bm, bk, split, stages in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4, 8), (3, 4, 5)):
         if K % (bk * split) or (bn + bm) * bk * 2 * stages > SMEM:
             continue
         programs = -(-N // bn) * -(-M // bm) * split

@@ -41,6 +41,7 @@ if fused.HAVE_TRITON:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from ember.core.kernels.lora_decode import _group_rows
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
@@ -109,12 +110,7 @@ if fused.HAVE_TRITON:
                 m_lo = pid_m * BLOCK_M
                 for i in range(tl.load(N_ACTIVE)):
                     g = tl.load(ACTIVE + i)
-                    start = tl.where(g > 0, tl.load(OFFS + tl.maximum(g - 1, 0)), 0)
-                    end = tl.load(OFFS + g)
-                    if HAS_ROWS:
-                        rows = tl.load(ROWS)
-                        start = tl.minimum(start, rows)
-                        end = tl.minimum(end, rows)
+                    start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
                     if (tl.minimum(end, m_lo + BLOCK_M) > tl.maximum(start, m_lo)) & (end > start):
                         b_ptr = B + g.to(tl.int64) * stride_bg + n.to(tl.int64)[:, None] * stride_bn + r[None, :]
                         b = tl.load(b_ptr, mask=nmask[:, None] & rmask[None, :], other=0.0)

@@ -40,7 +40,6 @@ SHAPES = {
     "down": (HIDDEN, INTER, 1),
     "lm_head": (VOCAB, HIDDEN, 0),
 }
-SMEM = 220 * 1024  # bytes of shared memory a block may use on Hopper (227 KB, less a margin)
 
 
 def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]:
@@ -49,7 +48,7 @@ def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]
     out = {dg.heuristic(M, N, K, sms)}
     block_ms = sorted({max(16, min(b, dg._pow2(M))) for b in (64, 128, 256)})
     for bn, bm, bk, split, stages in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4, 8), (3, 4, 5)):
-        if K % (bk * split) or (bn + bm) * bk * 2 * stages > SMEM:
+        if K % (bk * split) or (bn + bm) * bk * 2 * stages > dg.SMEM:
             continue
         programs = -(-N // bn) * -(-M // bm) * split
         if not sms // 2 <= programs <= 8 * sms:
@@ -90,6 +89,7 @@ def main() -> None:
     torch.manual_seed(0)
     best: dict[str, dict] = {}
     ws = dg.Workspace(256, VOCAB, "cuda", tiles=1 << 16)
+    wrong: list[str] = []
     for M, busy in zip(map(int, args.rows.split(",")), map(int, args.busy.split(","))):
         counts = torch.zeros(busy + 1, dtype=torch.long)
         counts[1:] = M // busy
@@ -121,8 +121,10 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - e.g. Triton's OutOfResources for a large tile
                     print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
                     continue
-                if err > 2e-2:
-                    raise SystemExit(f"{name} {cfg}: max error {err:.2e} against cuBLAS")
+                if err > 2e-2:  # reported, never chosen; the run fails at the end
+                    print(f"  WRONG {cfg}: max error {err:.2e} against cuBLAS")
+                    wrong.append(f"{name}/{M} {cfg}")
+                    continue
                 results.append((us, cfg))
             results.sort(key=lambda r: r[0])
             default = dg.heuristic(M, N, K, sms)
@@ -176,12 +178,14 @@ def main() -> None:
                 del B, hs
             del Ws, xs
             torch.cuda.empty_cache()
+            if args.out:  # after every shape: a run cut short keeps what it measured
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "decode_gemm.json").write_text(json.dumps({"hardware": hardware_line(), "results": best}, indent=1))
     print("\nsummary: best decode GEMM against cuBLAS (us a call; use: the choice load_tuned makes)")
     for key, r in best.items():
         print(f"  {key:14} {r['us']:7.1f} against {r['cublas_us']:7.1f}  {r['speedup']:.2f}x  use {int(r['use'])}  {r['config']}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_gemm.json").write_text(json.dumps({"hardware": hardware_line(), "results": best}, indent=1))
+    if wrong:
+        raise SystemExit("configurations with wrong results:\n  " + "\n  ".join(wrong))
 
 
 if __name__ == "__main__":

@@ -98,8 +98,12 @@ if fused.HAVE_TRITON:
             arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
             last = arrived == SPLIT_K - 1
             if last:
-                acc = tl.load(ws_ptr, mask=tile_mask, other=0.0, cache_modifier=".cg")
-                tl.store(ws_ptr, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), mask=tile_mask)
+                # read the sum and leave zeros in one atomic exchange per element (as int32 bits: the
+                # interpreter has no float exchange); a load then a store, in two register layouts,
+                # raced between the program's threads and lost partial sums (H200)
+                bits = tl.atomic_xchg(ws_ptr.to(tl.pointer_type(tl.int32)), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32),
+                                      mask=tile_mask, sem="relaxed")
+                acc = bits.to(tl.float32, bitcast=True)
                 tl.store(CNT + tile, 0)
         if last:
             if HAS_BIAS:
@@ -143,6 +147,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+SMEM = 220 * 1024  # bytes of shared memory a pipeline may take (Hopper's 227 KB a block, less a margin)
+
 # measured launch choices (bench/decode_gemm.py --out writes them, load_tuned reads them): for an
 # [N, K] weight, (largest rows, Config or None) pairs by rows; None: cuBLAS was faster there
 TUNED: dict[tuple[int, int], list[tuple[int, Config | None]]] = {}
@@ -162,15 +168,20 @@ def load_tuned(path) -> None:
 def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
     """A launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors: every row in one
     block up to 128 rows, 128 weight rows a tile while that still gives a tile to every SM (64
-    otherwise), and the K split that brings the programs up to the SM count."""
+    otherwise), a pipeline of up to 4 stages within :data:`SMEM`, and the K split that brings the
+    programs up to the SM count."""
     block_m = max(16, min(128, _pow2(M)))
     block_n = 128 if N // 128 >= sms else 64
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     block_k = next(b for b in (128, 64, 32, 16) if K % b == 0)  # supported() asks K % 16 == 0
+    while block_k > 32 and K % (block_k // 2) == 0 and SMEM // ((block_n + block_m) * block_k * 2) < 3:
+        block_k //= 2
+    stages = max(2, min(4, SMEM // ((block_n + block_m) * block_k * 2)))
     split = 1
     while tiles * split < sms and K % (block_k * split * 2) == 0 and K // (split * 2) >= 4 * block_k:
         split *= 2
-    return Config(block_n=block_n, block_m=block_m, block_k=block_k, split_k=split)
+    warps = 8 if block_n * block_m >= 128 * 128 else 4
+    return Config(block_n=block_n, block_m=block_m, block_k=block_k, split_k=split, stages=stages, warps=warps)
 
 
 def config(M: int, N: int, K: int, sms: int = 132) -> Config | None:

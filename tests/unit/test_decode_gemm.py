@@ -106,10 +106,11 @@ ENGINE_SCRIPT = textwrap.dedent(
 
     launches = []  # (LORA, output columns) of each launch
     real = decode_gemm._decode_gemm_kernel
+    N_ARG = real.arg_names.index("N")
     class Counting:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((kwargs["LORA"], args[13]))
+                launches.append((kwargs["LORA"], args[N_ARG]))
                 return real[grid](*args, **kwargs)
             return launch
     decode_gemm._decode_gemm_kernel = Counting()

@@ -204,3 +204,21 @@ def test_tuned_choices_are_read_and_looked_up(tmp_path, monkeypatch):
     assert dg.config(512, 4096, 4096) == big
     assert dg.config(64, 4096, 12288) is None
     assert dg.config(64, 1024, 4096) == dg.heuristic(64, 1024, 4096)
+
+
+def test_heuristic_launches_fit_the_kernel():
+    """For decode-sized products of many widths, the heuristic's launch divides K into whole
+    blocks per split, keeps its pipeline within the shared memory of a block, and spreads a large weight over nearly every SM."""
+    import triton
+
+    from ember.core.kernels import decode_gemm as dg
+
+    for M in (1, 8, 37, 64, 200, 256):
+        for N, K in [(6144, 4096), (4096, 12288), (24576, 4096), (151936, 4096), (1024, 1024), (96, 48), (7168, 2048)]:
+            c = dg.heuristic(M, N, K, 132)
+            assert K % (c.block_k * c.split_k) == 0, (M, N, K, c)
+            assert (c.block_n + c.block_m) * c.block_k * 2 * c.stages <= dg.SMEM, (M, N, K, c)
+            assert c.block_m >= min(M, 128) or c.block_m == 128, (M, N, K, c)
+            programs = triton.cdiv(N, c.block_n) * triton.cdiv(M, c.block_m) * c.split_k
+            if N * K >= 4096 * 4096:  # a large weight is spread over (nearly) every SM
+                assert programs >= 0.9 * 132, (M, N, K, c, programs)

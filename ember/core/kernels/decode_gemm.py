@@ -148,6 +148,7 @@ def _pow2(n: int) -> int:
 
 
 SMEM = 220 * 1024  # bytes of shared memory a pipeline may take (Hopper's 227 KB a block, less a margin)
+SM_SMEM = 228 * 1024  # shared memory of one multiprocessor (Hopper), shared by its resident blocks
 
 # measured launch choices (bench/decode_gemm.py --out writes them, load_tuned reads them): for an
 # [N, K] weight, (largest rows, Config or None) pairs by rows; None: cuBLAS was faster there
@@ -166,22 +167,37 @@ def load_tuned(path) -> None:
 
 
 def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
-    """A launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors: every row in one
-    block up to 128 rows, 128 weight rows a tile while that still gives a tile to every SM (64
-    otherwise), a pipeline of up to 4 stages within :data:`SMEM`, and the K split that brings the
-    programs up to the SM count."""
+    """A launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors, from a model of a
+    memory-bound product: every row in one block up to 128 rows; for each tile width, the deepest
+    pipeline up to 4 stages (at least 3) within :data:`SMEM` and the blocks an SM then holds; and
+    the tile width and K split with the fewest bytes (the weight, a third of the rows' re-reads
+    from L2, once per tile column, and the split's fp32 partial sums) divided by how well the
+    programs fill their last wave. Ties go to fewer splits. A model, not a measurement: measured
+    choices (:data:`TUNED`) override it."""
     block_m = max(16, min(128, _pow2(M)))
-    block_n = 128 if N // 128 >= sms else 64
-    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     block_k = next(b for b in (128, 64, 32, 16) if K % b == 0)  # supported() asks K % 16 == 0
-    while block_k > 32 and K % (block_k // 2) == 0 and SMEM // ((block_n + block_m) * block_k * 2) < 3:
-        block_k //= 2
-    stages = max(2, min(4, SMEM // ((block_n + block_m) * block_k * 2)))
-    split = 1
-    while tiles * split < sms and K % (block_k * split * 2) == 0 and K // (split * 2) >= 4 * block_k:
-        split *= 2
-    warps = 8 if block_n * block_m >= 128 * 128 else 4
-    return Config(block_n=block_n, block_m=block_m, block_k=block_k, split_k=split, stages=stages, warps=warps)
+    best = None
+    for block_n in (64, 128, 256):
+        per_stage = (block_n + block_m) * block_k * 2
+        stages = min(4, SMEM // per_stage)
+        if stages < 3:  # too few bytes in flight to hide the memory latency
+            continue
+        slots = sms * max(1, SM_SMEM // (stages * per_stage))
+        tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+        for split in (1, 2, 4, 8):
+            if K % (block_k * split) or K // split < 2 * block_k:
+                continue
+            programs = tiles * split
+            fill = programs / (triton.cdiv(programs, slots) * slots)
+            # bytes: the weight, the rows re-read from L2 (a third), the split's fp32 sums (added, then exchanged)
+            sums = 4 * M * N * split if split > 1 else 0
+            cost = (2 * N * K + 2 * M * K * triton.cdiv(N, block_n) / 3 + sums) / fill
+            if best is None or cost < best[0] * 0.98:
+                warps = 8 if block_n * block_m >= 128 * 128 else 4
+                best = (cost, Config(block_n, block_m, block_k, split, stages, warps))
+    if best is None:  # K too short to split, tiles too wide: the smallest launch
+        return Config(block_n=64, block_m=block_m, block_k=min(block_k, 64), stages=2)
+    return best[1]
 
 
 def config(M: int, N: int, K: int, sms: int = 132) -> Config | None:

@@ -16,6 +16,7 @@ and without programmatic dependent launch. ``--out``: the best configuration of 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -43,23 +44,26 @@ SHAPES = {
 
 
 def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]:
-    """Launch configurations worth timing: the pipeline fits shared memory, and the grid gives
-    between half a wave and eight waves of programs."""
+    """Launch configurations worth timing: the pipeline fits shared memory, the grid gives between
+    half a wave and eight waves of programs. With ``quick``: row blocks of 128 or all rows, 64-column
+    K blocks only where 128 leave fewer than 3 stages, the deepest pipeline up to 4 stages, and
+    launches whose last wave is at least 3/4 full (``decode_gemm.wave_fill``). The heuristic's
+    choice is always among them."""
     out = {dg.heuristic(M, N, K, sms)}
-    block_ms = sorted({max(16, min(b, dg._pow2(M))) for b in (64, 128, 256)})
-    for bn, bm, bk, split, stages in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4, 8), (3, 4, 5)):
-        if K % (bk * split) or (bn + bm) * bk * 2 * stages > dg.SMEM:
-            continue
-        programs = -(-N // bn) * -(-M // bm) * split
-        if not sms // 2 <= programs <= 8 * sms:
-            continue
-        warps = 8 if bn * bm >= 128 * 128 else 4
-        for tma in (False, True):
-            out.add(dg.Config(bn, bm, bk, split, stages, warps, tma=tma))
-    out = sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.stages, c.tma))
-    if quick:  # fewer pipeline depths
-        out = [c for c in out if c.stages == 4 or c == dg.heuristic(M, N, K, sms)]
-    return out
+    block_ms = sorted({max(16, min(b, dg._pow2(M))) for b in ((128, 256) if quick else (64, 128, 256))})
+    for bn, bm, bk, split in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4, 8)):
+        deepest = min(5, dg.SMEM // ((bn + bm) * bk * 2))
+        if quick and bk == 64 and dg.SMEM // ((bn + bm) * 128 * 2) >= 3:
+            continue  # quick: 64-column K blocks only where 128 allow fewer than 3 stages
+        for stages in (min(4, deepest),) if quick else range(3, deepest + 1):
+            cfg = dg.Config(bn, bm, bk, split, stages, 8 if bn * bm >= 128 * 128 else 4)
+            programs = -(-N // bn) * -(-M // bm) * split
+            if K % (bk * split) or stages < 2 or not sms // 2 <= programs <= 8 * sms or bn * bm > 128 * 256:
+                continue  # (a 256 x 256 fp32 accumulator would not fit 8 warps' registers)
+            if quick and dg.wave_fill(M, N, cfg, sms) < 0.75:
+                continue
+            out |= {cfg, dataclasses.replace(cfg, tma=True)}
+    return sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.stages, c.tma))
 
 
 def lora_stacks(N: int, members: int, rank: int, busy: int) -> torch.Tensor:

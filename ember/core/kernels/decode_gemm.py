@@ -166,35 +166,39 @@ def load_tuned(path) -> None:
         entries.sort(key=lambda e: e[0])
 
 
+def wave_fill(M: int, N: int, cfg: Config, sms: int = 132) -> float:
+    """How full the launch's last wave of programs is (1: every resident slot busy to the end):
+    programs over the waves they take times the slots of a wave, an SM holding as many blocks as
+    its shared memory (:data:`SM_SMEM`) fits."""
+    slots = sms * max(1, SM_SMEM // ((cfg.block_n + cfg.block_m) * cfg.block_k * 2 * cfg.stages))
+    programs = triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m) * cfg.split_k
+    return programs / (triton.cdiv(programs, slots) * slots)
+
+
 def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
     """A launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors, from a model of a
     memory-bound product: every row in one block up to 128 rows; for each tile width, the deepest
-    pipeline up to 4 stages (at least 3) within :data:`SMEM` and the blocks an SM then holds; and
-    the tile width and K split with the fewest bytes (the weight, a third of the rows' re-reads
-    from L2, once per tile column, and the split's fp32 partial sums) divided by how well the
-    programs fill their last wave. Ties go to fewer splits. A model, not a measurement: measured
-    choices (:data:`TUNED`) override it."""
+    pipeline up to 4 stages (at least 3) within :data:`SMEM`; and the tile width and K split with
+    the fewest bytes (the weight, a third of the rows' re-reads from L2, once per tile column, and
+    the split's fp32 partial sums) divided by :func:`wave_fill`. Ties go to fewer splits. A model,
+    not a measurement: measured choices (:data:`TUNED`) override it."""
     block_m = max(16, min(128, _pow2(M)))
     block_k = next(b for b in (128, 64, 32, 16) if K % b == 0)  # supported() asks K % 16 == 0
     best = None
     for block_n in (64, 128, 256):
-        per_stage = (block_n + block_m) * block_k * 2
-        stages = min(4, SMEM // per_stage)
+        stages = min(4, SMEM // ((block_n + block_m) * block_k * 2))
         if stages < 3:  # too few bytes in flight to hide the memory latency
             continue
-        slots = sms * max(1, SM_SMEM // (stages * per_stage))
-        tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+        warps = 8 if block_n * block_m >= 128 * 128 else 4
         for split in (1, 2, 4, 8):
             if K % (block_k * split) or K // split < 2 * block_k:
                 continue
-            programs = tiles * split
-            fill = programs / (triton.cdiv(programs, slots) * slots)
+            cfg = Config(block_n, block_m, block_k, split, stages, warps)
             # bytes: the weight, the rows re-read from L2 (a third), the split's fp32 sums (added, then exchanged)
             sums = 4 * M * N * split if split > 1 else 0
-            cost = (2 * N * K + 2 * M * K * triton.cdiv(N, block_n) / 3 + sums) / fill
+            cost = (2 * N * K + 2 * M * K * triton.cdiv(N, block_n) / 3 + sums) / wave_fill(M, N, cfg, sms)
             if best is None or cost < best[0] * 0.98:
-                warps = 8 if block_n * block_m >= 128 * 128 else 4
-                best = (cost, Config(block_n, block_m, block_k, split, stages, warps))
+                best = (cost, cfg)
     if best is None:  # K too short to split, tiles too wide: the smallest launch
         return Config(block_n=64, block_m=block_m, block_k=min(block_k, 64), stages=2)
     return best[1]

@@ -1,7 +1,9 @@
 """Diagnostics for the sampler on the GPU: where a decode step's time goes, and where the bf16
 rollout/trainer log-probability gap comes from.
 
-Part ``steps`` (workload a of bench/sample.py: 64 prompts x 128 tokens, one LoRA adapter): splits the
+Part ``steps`` (workload a of bench/sample.py: 64 prompts x 128 tokens, one LoRA adapter; workload b
+with ``--prompts 256 --adapters 8 --bank-slots 32``; ``--decode-gemm 1 [--gemm-configs F]`` with the
+dense products through Ember's decode GEMM): splits the
 engine's decode step into the decoder (CUDA-graph replay), log-softmax + sampling, and the host's
 bookkeeping (each part timed with a device sync); times the captured graph alone with CUDA events;
 and lists the GPU kernels of decode steps run without graphs (torch.profiler, ms per step).
@@ -19,6 +21,7 @@ in fp32 (same weights), and the trainer's own bf16-vs-fp32 difference on those t
 sampled token comes from the prefill pass, the rest from decode steps: both are reported.
 
     python bench/sample_diag.py --out $OUT                  # on the GPU
+    python bench/sample_diag.py --only steps --prompts 256 --adapters 8 --bank-slots 32 --out $OUT
     python bench/sample_diag.py --shape tiny --new 8        # CPU smoke test
 """
 
@@ -55,14 +58,16 @@ def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool |
         cuda_graphs=graphs,
         static_decode=static,
         overlap_decode=overlap,
-        **options,  # dependent_launch
+        **options,  # dependent_launch, decode_gemm
     )
     return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
 
 
-def requests(prompts, new: int, slot: int) -> list[GenerationRequest]:
+def requests(prompts, new: int, slot: int | list[int]) -> list[GenerationRequest]:
+    """One request per prompt, on ``slot`` (or the slots of a list, round-robin)."""
+    slots = slot if isinstance(slot, list) else [slot]
     return [
-        GenerationRequest(p, new, [1000 + i], slot=slot, temperature=1.0, stop=StopRule())
+        GenerationRequest(p, new, [1000 + i], slot=slots[i % len(slots)], temperature=1.0, stop=StopRule())
         for i, p in enumerate(prompts)
     ]
 
@@ -81,9 +86,13 @@ def timed(fn, acc: list[float]):
     return run
 
 
-def step_breakdown(model, prompts, new: int, rank: int, **options) -> dict:
-    bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
-    (slot,) = fill_adapters(bank, 1, rank)
+def step_breakdown(model, prompts, new: int, rank: int, adapters: int = 1, bank_slots: int | None = None,
+                   **options) -> dict:
+    """The decode step's wall time split into decoder, draw and host; the graph's replay; and the
+    GPU kernels of one step without graphs. ``adapters`` busy adapters share the rows round-robin
+    (workload b: 8, in a bank of ``bank_slots`` = 32)."""
+    bank = AdapterBank(model, max_adapters=bank_slots or adapters, max_rank=max(64, rank))
+    slot = fill_adapters(bank, adapters, rank)
     # each step read back before the next (overlap_decode off): the step's parts are timed apart
     engine = make_engine(model, bank, len(prompts), len(prompts[0]), new, None, True, overlap=False, **options)
     reqs = requests(prompts, new, slot)
@@ -264,6 +273,12 @@ def main() -> None:
     ap.add_argument("--only", default="steps,gemm,sampling,gap")
     ap.add_argument("--dependent-launch", type=int, choices=(0, 1), default=int(SamplerConfig.dependent_launch),
                     help="steps: SamplerConfig.dependent_launch (programmatic dependent launch)")
+    ap.add_argument("--adapters", type=int, default=1, help="steps: busy adapters sharing the rows (workload b: 8)")
+    ap.add_argument("--bank-slots", type=int, default=None, help="steps: adapter bank slots (default --adapters)")
+    ap.add_argument("--decode-gemm", type=int, choices=(0, 1), default=int(SamplerConfig.decode_gemm),
+                    help="steps: SamplerConfig.decode_gemm (Ember's decode GEMM for the dense products)")
+    ap.add_argument("--gemm-configs", type=Path, default=None,
+                    help="steps: decode GEMM launch choices measured by bench/decode_gemm.py --out")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +289,12 @@ def main() -> None:
     results: dict = {"hardware": hardware_line(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     only = args.only.split(",")
     if "steps" in only:
-        r = step_breakdown(model, prompts, args.new, args.rank, dependent_launch=bool(args.dependent_launch))
+        if args.gemm_configs is not None:
+            from ember.core.kernels import decode_gemm
+
+            decode_gemm.load_tuned(args.gemm_configs)
+        r = step_breakdown(model, prompts, args.new, args.rank, args.adapters, args.bank_slots,
+                           dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm))
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "gemm" in only:

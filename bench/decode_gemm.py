@@ -44,26 +44,31 @@ SHAPES = {
 
 
 def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]:
-    """Launch configurations worth timing: the pipeline fits shared memory, the grid gives between
-    half a wave and eight waves of programs. With ``quick``: row blocks of 128 or all rows, 64-column
-    K blocks only where 128 leave fewer than 3 stages, the deepest pipeline up to 4 stages, and
-    launches whose last wave is at least 3/4 full (``decode_gemm.wave_fill``). The heuristic's
-    choice is always among them."""
+    """Launch configurations worth timing: the pipeline fits shared memory; K split 1, 2, 4 or 8
+    times with between half a wave and eight waves of programs, or stream-K over one wave of
+    programs. With ``quick``: row blocks of 128 or all rows, 64-column K blocks only where 128 leave
+    fewer than 3 stages, the deepest pipeline up to 4 stages, and launches that keep at least 3/4 of
+    their slots busy (``decode_gemm.wave_fill``). Each with pointer and with tensor-descriptor
+    loads; the heuristic's choice is always among them."""
     out = {dg.heuristic(M, N, K, sms)}
     block_ms = sorted({max(16, min(b, dg._pow2(M))) for b in ((128, 256) if quick else (64, 128, 256))})
-    for bn, bm, bk, split in itertools.product((64, 128, 256), block_ms, (64, 128), (1, 2, 4, 8)):
+    for bn, bm, bk in itertools.product((64, 128, 256), block_ms, (64, 128)):
         deepest = min(5, dg.SMEM // ((bn + bm) * bk * 2))
         if quick and bk == 64 and dg.SMEM // ((bn + bm) * 128 * 2) >= 3:
             continue  # quick: 64-column K blocks only where 128 allow fewer than 3 stages
-        for stages in (min(4, deepest),) if quick else range(3, deepest + 1):
-            cfg = dg.Config(bn, bm, bk, split, stages, 8 if bn * bm >= 128 * 128 else 4)
-            programs = -(-N // bn) * -(-M // bm) * split
-            if K % (bk * split) or stages < 2 or not sms // 2 <= programs <= 8 * sms or bn * bm > 128 * 256:
-                continue  # (a 256 x 256 fp32 accumulator would not fit 8 warps' registers)
-            if quick and dg.wave_fill(M, N, cfg, sms) < 0.75:
-                continue
-            out |= {cfg, dataclasses.replace(cfg, tma=True)}
-    return sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.stages, c.tma))
+        if K % bk or deepest < 2 or bn * bm > 128 * 256:
+            continue  # (a 256 x 256 fp32 accumulator would not fit 8 warps' registers)
+        for stages in (min(4, deepest),) if quick else range(min(3, deepest), deepest + 1):
+            warps = 8 if bn * bm >= 128 * 128 else 4
+            slots = sms * max(1, dg.SM_SMEM // ((bn + bm) * bk * 2 * stages))
+            layouts = [dg.Config(bn, bm, bk, split, stages, warps) for split in (1, 2, 4, 8)
+                       if K % (bk * split) == 0 and sms // 2 <= -(-N // bn) * -(-M // bm) * split <= 8 * sms]
+            layouts.append(dg.Config(bn, bm, bk, 1, stages, warps, programs=slots))
+            for cfg in layouts:
+                if quick and dg.wave_fill(M, N, K, cfg, sms) < 0.75:
+                    continue
+                out |= {cfg, dataclasses.replace(cfg, tma=True)}
+    return sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.programs, c.stages, c.tma))
 
 
 def lora_stacks(N: int, members: int, rank: int, busy: int) -> torch.Tensor:
@@ -134,7 +139,8 @@ def main() -> None:
             default = dg.heuristic(M, N, K, sms)
             for us, cfg in results[:8] + [r for r in results[8:] if r[1] == default]:
                 mark = " (default)" if cfg == default else ""
-                print(f"  bn {cfg.block_n:3} bm {cfg.block_m:3} bk {cfg.block_k:3} split {cfg.split_k} "
+                layout = f"stream-K x{cfg.programs:3}" if cfg.programs else f"split {cfg.split_k}      "
+                print(f"  bn {cfg.block_n:3} bm {cfg.block_m:3} bk {cfg.block_k:3} {layout} "
                       f"stages {cfg.stages} warps {cfg.warps} tma {int(cfg.tma)}   {rate(us)}{mark}")
             # the best few with programmatic dependent launch, and the weights' first bytes prefetched
             pdl_results = []
@@ -146,7 +152,7 @@ def main() -> None:
                                        for x, W in zip(xs, Ws)], iters=10)
                     pdl_results.append((us, c))
                     print(f"  PDL, prefetch {pf:4} B/row, bn {c.block_n} bm {c.block_m} bk {c.block_k} split {c.split_k} "
-                          f"st {c.stages} tma {int(c.tma)}  {rate(us)}")
+                          f"programs {c.programs} st {c.stages} tma {int(c.tma)}  {rate(us)}")
             us, cfg = min(results + pdl_results, key=lambda r: r[0])
             best[f"{name}/{M}"] = {"M": M, "N": N, "K": K, "config": cfg.__dict__, "us": us, "cublas_us": cublas,
                                    "bytes": nbytes, "speedup": cublas / us, "use": us < cublas}

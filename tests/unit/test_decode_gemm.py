@@ -45,6 +45,10 @@ KERNEL_SCRIPT = textwrap.dedent(
         (50, 72, 128, dg.Config(block_n=16, block_m=16, block_k=32, split_k=2), False, [5, 0, 0, 45]),
         (9, 40, 96, None, True, [9, 0]),  # the default configuration, K of 32-column blocks
         (37, 80, 256, dg.Config(block_n=32, block_m=16, block_k=64, split_k=2, tma=True), True, [3, 0, 20, 14]),
+        # stream-K: runs of K blocks that end inside tiles (3 programs over 12 units), across tiles
+        (40, 96, 256, dg.Config(block_n=32, block_m=64, block_k=64, programs=5), True, [0, 40]),
+        (37, 80, 256, dg.Config(block_n=32, block_m=16, block_k=64, programs=7, tma=True), False, [3, 0, 20, 14]),
+        (64, 64, 512, dg.Config(block_n=32, block_m=64, block_k=64, programs=4), False, None),  # runs of whole tiles
     ]
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for i, (M, N, K, cfg, has_bias, sizes) in enumerate(cases):
@@ -67,9 +71,9 @@ KERNEL_SCRIPT = textwrap.dedent(
             assert y.dtype == dtype and y.shape == (M, N), (y.dtype, y.shape)
             assert err < tol, (dtype, i, err)
             assert not ws.sums.any() and not ws.counters.any(), "the split-K workspace was left dirty"
-            if cfg is not None and cfg.split_k > 1:  # again through the same workspace: the same values
+            if cfg is not None and (cfg.split_k > 1 or cfg.programs):  # again through the same workspace: the same values
                 assert torch.equal(dg.decode_linear(x, W, bias, lora, ws, cfg), y)
-                # without a workspace the K split is dropped
+                # without a workspace every tile is one program's
                 y1 = dg.decode_linear(x, W, bias, lora, None, cfg)
                 assert float((y1.double() - ref).abs().max() / ref.abs().max()) < tol
     # shapes it refuses
@@ -154,14 +158,14 @@ def test_decode_gemm_compiles_for_hopper(tma):
     from ember.core.kernels.decode_gemm import _decode_gemm_kernel
 
     names = ["X", "W", "Y", "BIAS", "WS", "CNT", "H", "B", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE", "XD", "WD",
-             "M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_hm", "stride_bg", "stride_bn", "R"]
+             "M", "N", "K", "TILES_M", "PER", "stride_xm", "stride_wn", "stride_ym", "stride_hm", "stride_bg",
+             "stride_bn", "R"]
     descs = ["tensordesc<bf16[64, 128]>", "tensordesc<bf16[128, 128]>"] if tma else ["*bf16", "*bf16"]
     types = ["*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*i32", "*fp32", "*bf16", "*i32", "*i32", "*i32", "*i32"]
-    signature = dict(zip(names, types + descs + ["i32"] * 10))
-    divisible = [i for i, n in enumerate(names) if n not in ("M", "R", "XD", "WD")]
+    signature = dict(zip(names, types + descs + ["i32"] * 12))
+    divisible = [i for i, n in enumerate(names) if n not in ("M", "R", "XD", "WD", "TILES_M", "PER")]
     constexprs = {"HAS_BIAS": False, "LORA": True, "HAS_ROWS": True, "BLOCK_N": 128, "BLOCK_M": 64,
-                  "BLOCK_K": 128, "SPLIT_K": 2, "R_PAD": 32, "PREFETCH": 512, "PREC": "tf32", "TMA": tma,
-                  "PDL": True}
+                  "BLOCK_K": 128, "R_PAD": 32, "PREFETCH": 512, "PREC": "tf32", "TMA": tma, "PDL": True}
     try:
         compiled = triton.compile(
             triton.compiler.ASTSource(fn=_decode_gemm_kernel, signature=signature, constexprs=constexprs,
@@ -219,6 +223,8 @@ def test_heuristic_launches_fit_the_kernel():
             assert K % (c.block_k * c.split_k) == 0, (M, N, K, c)
             assert (c.block_n + c.block_m) * c.block_k * 2 * c.stages <= dg.SMEM, (M, N, K, c)
             assert c.block_m >= min(M, 128) or c.block_m == 128, (M, N, K, c)
-            programs = triton.cdiv(N, c.block_n) * triton.cdiv(M, c.block_m) * c.split_k
+            programs, per = dg._layout(M, N, K, c)
+            units = triton.cdiv(N, c.block_n) * triton.cdiv(M, c.block_m) * (K // c.block_k)
+            assert (programs - 1) * per < units <= programs * per, (M, N, K, c)  # every unit, once
             if N * K >= 4096 * 4096:  # a large weight is spread over (nearly) every SM
                 assert programs >= 0.9 * 132, (M, N, K, c, programs)

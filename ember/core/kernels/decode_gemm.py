@@ -5,18 +5,22 @@ read once) is all their cost. cuBLAS reaches about 2.5 of the H100's 3.0 TB/s on
 session's profile), and the LoRA expand that follows each one is a launch of its own (~3.5 us at
 these sizes, mostly latency). This kernel is built for that shape:
 
-* **Weight-major tiles.** Program ``(m, n, s)`` multiplies ``W[n·BLOCK_N : (n+1)·BLOCK_N]`` (the
-  MMA's long side) by the transposed rows ``x[m·BLOCK_M : ...]`` over its share of ``K``
-  (``tl.dot(w, x.T)``, ``[BLOCK_N, BLOCK_M]`` in fp32), as cuBLAS lays out its decode tiles.
-* **Split K** (``SPLIT_K`` > 1) where ``N / BLOCK_N`` tiles would leave SMs idle: each split adds
-  its partial tile into an fp32 workspace with atomic adds and counts itself in; the last split of a
-  tile to arrive reads the sum back, resets the workspace and its counter to zero (so the next call,
-  or the next replay of a CUDA graph, finds them clean) and runs the epilogue.
+* **Weight-major tiles.** A tile is ``W[n·BLOCK_N : (n+1)·BLOCK_N]`` (the MMA's long side) times
+  the transposed rows ``x[m·BLOCK_M : ...]`` (``tl.dot(w, x.T)``, ``[BLOCK_N, BLOCK_M]`` in fp32),
+  as cuBLAS lays out its decode tiles.
+* **Split K, or stream-K**, where ``N / BLOCK_N`` tiles would leave SMs idle. The work is the
+  tiles' K blocks laid end to end, and each program takes an equal run of them: a whole number of
+  splits per tile (``split_k``), or runs that end anywhere (``programs``: stream-K, so every SM
+  streams the same bytes whatever the tile count). The programs sharing a tile add their partial
+  tiles into an fp32 workspace with atomic adds and count themselves in; the last to arrive reads
+  the sum and leaves zeros (one atomic exchange), resets the tile's counter (so the next call, or
+  the next replay of a CUDA graph, finds both clean) and runs the epilogue.
 * **The epilogue** adds the bias and, with ``LORA``, each row group's ``h[rows] @ B[g][cols].T`` (the
   LoRA expand of :mod:`ember.core.kernels.lora_decode`: ``h`` the fp32 shrink output rounded to
   ``B``'s dtype, groups listed by :func:`~ember.core.kernels.lora_decode.active_groups`) to the
   fp32 tile and rounds once. The separate expand rounded the base product to bf16 first, then the
-  sum: these values differ from it by that one rounding.
+  sum: these values differ from it by that one rounding. A tile one program holds whole is
+  finished there, without the workspace.
 * **Programmatic dependent launch** (:mod:`ember.core.kernels.pdl`): the weights do not depend on
   the kernel before this one, so with ``PREFETCH`` a program first asks the copy engine to fetch
   the first ``PREFETCH`` bytes of each of its weight rows into L2 (``cp.async.bulk.prefetch.L2``),
@@ -45,93 +49,131 @@ if fused.HAVE_TRITON:
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def _tile_product(X, W, XD, WD, pid_m, pid_n, kb0, kb1, M, N, stride_xm, stride_wn,
+                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREC: tl.constexpr, TMA: tl.constexpr):
+        # W[n block] @ X[m block].T over the K blocks [kb0, kb1): [BLOCK_N, BLOCK_M] in fp32
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        k = kb0 * BLOCK_K + tl.arange(0, BLOCK_K)
+        w_ptr = W + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+        x_ptr = X + m.to(tl.int64)[:, None] * stride_xm + k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for kk in range(kb0 * BLOCK_K, kb1 * BLOCK_K, BLOCK_K):
+            if TMA:  # the bulk tensor copy engine; rows past the edges read as zeros
+                w = WD.load([pid_n * BLOCK_N, kk])
+                x = XD.load([pid_m * BLOCK_M, kk])
+            else:
+                w = tl.load(w_ptr, mask=(n < N)[:, None], other=0.0)
+                x = tl.load(x_ptr, mask=(m < M)[:, None], other=0.0)
+            acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=PREC)
+            w_ptr += BLOCK_K
+            x_ptr += BLOCK_K
+        return acc
+
+    @triton.jit
+    def _finish(acc, pid_m, pid_n, Y, BIAS, H, B, OFFS, ROWS, ACTIVE, N_ACTIVE, M, N,
+                stride_ym, stride_hm, stride_bg, stride_bn, R,
+                HAS_BIAS: tl.constexpr, LORA: tl.constexpr, HAS_ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr):
+        # the epilogue of a whole tile: bias, each row group's LoRA expand, one rounding to Y
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        nmask = n < N
+        if HAS_BIAS:
+            acc += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        if LORA:
+            r = tl.arange(0, R_PAD)
+            rmask = r < R
+            m_lo = pid_m * BLOCK_M
+            for i in range(tl.load(N_ACTIVE)):
+                g = tl.load(ACTIVE + i)
+                start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
+                if (tl.minimum(end, m_lo + BLOCK_M) > tl.maximum(start, m_lo)) & (end > start):
+                    b_ptr = B + g.to(tl.int64) * stride_bg + n.to(tl.int64)[:, None] * stride_bn + r[None, :]
+                    b = tl.load(b_ptr, mask=nmask[:, None] & rmask[None, :], other=0.0)
+                    sel = (m >= start) & (m < end)
+                    h_ptr = H + m.to(tl.int64)[:, None] * stride_hm + r[None, :]
+                    h = tl.load(h_ptr, mask=sel[:, None] & rmask[None, :], other=0.0).to(b.dtype)
+                    acc = tl.dot(b, tl.trans(h), acc, input_precision=PREC)
+        y_ptr = Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=nmask[:, None] & (m < M)[None, :])
+
+    @triton.jit
     def _decode_gemm_kernel(
         X, W, Y, BIAS, WS, CNT,
         H, B, OFFS, ROWS, ACTIVE, N_ACTIVE, XD, WD,
-        M, N, K,
+        M, N, K, TILES_M, PER,
         stride_xm, stride_wn, stride_ym, stride_hm, stride_bg, stride_bn, R,
         HAS_BIAS: tl.constexpr, LORA: tl.constexpr, HAS_ROWS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
         R_PAD: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        kb = tl.arange(0, BLOCK_K)
-        nmask = n < N
-        mmask = m < M
-        k_split = K // SPLIT_K  # the host checks that BLOCK_K · SPLIT_K divides K
-        k0 = pid_k * k_split
-        w_ptr = W + n.to(tl.int64)[:, None] * stride_wn + (k0 + kb)[None, :]
+        # The work is TILES x KI units (a tile of BLOCK_N weight rows by BLOCK_M rows, over one
+        # BLOCK_K block of K); program p takes units [p · PER, (p + 1) · PER), tile by tile. A tile
+        # whose units one program holds is finished there; a tile shared by several programs (a K
+        # split when PER divides KI, stream-K otherwise) meets in the fp32 workspace.
+        KI = K // BLOCK_K  # the host checks that BLOCK_K divides K
+        total = TILES_M * tl.cdiv(N, BLOCK_N) * KI
+        u = tl.program_id(0) * PER
+        u_end = tl.minimum(u + PER, total)
         if PREFETCH > 0:  # this program's first weight bytes into L2, before waiting on anything
+            n0 = (u // KI) // TILES_M * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.inline_asm_elementwise(
                 "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                [W + tl.minimum(n, N - 1).to(tl.int64) * stride_wn + k0, tl.full([BLOCK_N], PREFETCH, tl.int32)],
+                [W + tl.minimum(n0, N - 1).to(tl.int64) * stride_wn + (u % KI) * BLOCK_K,
+                 tl.full([BLOCK_N], PREFETCH, tl.int32)],
                 dtype=tl.int32, is_pure=False, pack=1,
             )
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
-        x_ptr = X + m.to(tl.int64)[:, None] * stride_xm + (k0 + kb)[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for kk in range(0, k_split, BLOCK_K):
-            if TMA:  # the bulk tensor copy engine; rows past the edges read as zeros
-                w = WD.load([pid_n * BLOCK_N, k0 + kk])
-                x = XD.load([pid_m * BLOCK_M, k0 + kk])
-            else:
-                w = tl.load(w_ptr, mask=nmask[:, None], other=0.0)
-                x = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
-            acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=PREC)
-            w_ptr += BLOCK_K
-            x_ptr += BLOCK_K
-        tile_mask = nmask[:, None] & mmask[None, :]
-        last = True
-        if SPLIT_K > 1:
-            # partial sums meet in the fp32 workspace ([N, M] by the tile layout); the last split of
-            # this tile to count itself in finishes it and leaves workspace and counter at zero
-            ws_ptr = WS + n.to(tl.int64)[:, None] * M + m[None, :]
-            tl.atomic_add(ws_ptr, acc, mask=tile_mask, sem="relaxed")
-            tile = pid_n * tl.num_programs(0) + pid_m
-            arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
-            last = arrived == SPLIT_K - 1
-            if last:
-                # read the sum and leave zeros in one atomic exchange per element (as int32 bits: the
-                # interpreter has no float exchange); a load then a store, in two register layouts,
-                # raced between the program's threads and lost partial sums (H200)
-                bits = tl.atomic_xchg(ws_ptr.to(tl.pointer_type(tl.int32)), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32),
-                                      mask=tile_mask, sem="relaxed")
-                acc = bits.to(tl.float32, bitcast=True)
-                tl.store(CNT + tile, 0)
-        if last:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            if LORA:
-                r = tl.arange(0, R_PAD)
-                rmask = r < R
-                m_lo = pid_m * BLOCK_M
-                for i in range(tl.load(N_ACTIVE)):
-                    g = tl.load(ACTIVE + i)
-                    start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
-                    if (tl.minimum(end, m_lo + BLOCK_M) > tl.maximum(start, m_lo)) & (end > start):
-                        b_ptr = B + g.to(tl.int64) * stride_bg + n.to(tl.int64)[:, None] * stride_bn + r[None, :]
-                        b = tl.load(b_ptr, mask=nmask[:, None] & rmask[None, :], other=0.0)
-                        sel = (m >= start) & (m < end)
-                        h_ptr = H + m.to(tl.int64)[:, None] * stride_hm + r[None, :]
-                        h = tl.load(h_ptr, mask=sel[:, None] & rmask[None, :], other=0.0).to(b.dtype)
-                        acc = tl.dot(b, tl.trans(h), acc, input_precision=PREC)
-            y_ptr = Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
-            tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=tile_mask)
+        while u < u_end:
+            tile = u // KI
+            kb0 = u - tile * KI
+            kb1 = tl.minimum(KI, kb0 + (u_end - u))
+            pid_m = tile % TILES_M
+            pid_n = tile // TILES_M
+            acc = _tile_product(X, W, XD, WD, pid_m, pid_n, kb0, kb1, M, N, stride_xm, stride_wn,
+                                BLOCK_N, BLOCK_M, BLOCK_K, PREC, TMA)
+            # the programs holding this tile's units: (tile · KI) // PER to ((tile + 1) · KI - 1) // PER
+            sharers = ((tile + 1) * KI - 1) // PER - (tile * KI) // PER + 1
+            done = sharers == 1
+            if sharers > 1:
+                # partial sums meet in the workspace ([N, M] by the tile layout); the last sharer to
+                # count itself in finishes the tile and leaves workspace and counter at zero
+                n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                tile_mask = (n < N)[:, None] & (m < M)[None, :]
+                ws_ptr = WS + n.to(tl.int64)[:, None] * M + m[None, :]
+                tl.atomic_add(ws_ptr, acc, mask=tile_mask, sem="relaxed")
+                arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+                done = arrived == sharers - 1
+                if done:
+                    # read the sum and leave zeros in one atomic exchange per element (as int32 bits:
+                    # the interpreter has no float exchange); a load then a store, in two register
+                    # layouts, raced between the program's threads and lost partial sums (H200)
+                    bits = tl.atomic_xchg(ws_ptr.to(tl.pointer_type(tl.int32)),
+                                          tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32), mask=tile_mask, sem="relaxed")
+                    acc = bits.to(tl.float32, bitcast=True)
+                    tl.store(CNT + tile, 0)
+            if done:
+                _finish(acc, pid_m, pid_n, Y, BIAS, H, B, OFFS, ROWS, ACTIVE, N_ACTIVE, M, N,
+                        stride_ym, stride_hm, stride_bg, stride_bn, R,
+                        HAS_BIAS, LORA, HAS_ROWS, BLOCK_N, BLOCK_M, R_PAD, PREC)
+            u += kb1 - kb0
 
 
 @dataclass(frozen=True)
 class Config:
-    """One launch of :func:`decode_linear`: tile sides, the K split, the pipeline depth, warps, and
-    the bytes of each weight row prefetched into L2 before the dependency wait (0: none; the
-    prefetch is issued only under programmatic dependent launch), and whether the tiles are loaded
-    through tensor descriptors (the bulk tensor copy engine, Hopper) instead of pointers."""
+    """One launch of :func:`decode_linear`: tile sides; how the work is spread, ``split_k`` K
+    splits of every tile, or with ``programs`` > 0 that many programs over the tiles' K blocks
+    laid end to end (stream-K: equal shares, a tile split wherever a share ends); the pipeline
+    depth; warps; the bytes of each weight row prefetched into L2 before the dependency wait (0:
+    none; the prefetch is issued only under programmatic dependent launch); and whether the tiles
+    are loaded through tensor descriptors (the bulk tensor copy engine, Hopper) instead of
+    pointers."""
 
     block_n: int = 128
     block_m: int = 64
@@ -141,6 +183,15 @@ class Config:
     warps: int = 4
     prefetch: int = 0
     tma: bool = False
+    programs: int = 0
+
+
+def _layout(M: int, N: int, K: int, cfg: Config) -> tuple[int, int]:
+    """``(programs, K blocks per program)`` of a launch (see :class:`Config`)."""
+    ki = K // cfg.block_k
+    units = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * ki
+    per = triton.cdiv(units, min(cfg.programs, units)) if cfg.programs > 0 else ki // cfg.split_k
+    return triton.cdiv(units, per), per
 
 
 def _pow2(n: int) -> int:
@@ -166,22 +217,24 @@ def load_tuned(path) -> None:
         entries.sort(key=lambda e: e[0])
 
 
-def wave_fill(M: int, N: int, cfg: Config, sms: int = 132) -> float:
-    """How full the launch's last wave of programs is (1: every resident slot busy to the end):
-    programs over the waves they take times the slots of a wave, an SM holding as many blocks as
-    its shared memory (:data:`SM_SMEM`) fits."""
+def wave_fill(M: int, N: int, K: int, cfg: Config, sms: int = 132) -> float:
+    """How busy the launch keeps its slots (1: every resident program streams to the end): the K
+    blocks of work over the waves of programs times the slots of a wave times a program's blocks,
+    an SM holding as many programs as its shared memory (:data:`SM_SMEM`) fits."""
     slots = sms * max(1, SM_SMEM // ((cfg.block_n + cfg.block_m) * cfg.block_k * 2 * cfg.stages))
-    programs = triton.cdiv(N, cfg.block_n) * triton.cdiv(M, cfg.block_m) * cfg.split_k
-    return programs / (triton.cdiv(programs, slots) * slots)
+    programs, per = _layout(M, N, K, cfg)
+    units = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * (K // cfg.block_k)
+    return units / (triton.cdiv(programs, slots) * slots * per)
 
 
 def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
     """A launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors, from a model of a
     memory-bound product: every row in one block up to 128 rows; for each tile width, the deepest
-    pipeline up to 4 stages (at least 3) within :data:`SMEM`; and the tile width and K split with
-    the fewest bytes (the weight, a third of the rows' re-reads from L2, once per tile column, and
-    the split's fp32 partial sums) divided by :func:`wave_fill`. Ties go to fewer splits. A model,
-    not a measurement: measured choices (:data:`TUNED`) override it."""
+    pipeline up to 4 stages (at least 3) within :data:`SMEM`; and the tile width and layout (K
+    splits, or stream-K over one wave of programs) with the fewest bytes (the weight, a third of the
+    rows' re-reads from L2, once per tile column, and the shared tiles' fp32 partial sums) divided
+    by :func:`wave_fill`. Ties go to the earlier layout (fewer splits). A model, not a measurement:
+    measured choices (:data:`TUNED`) override it."""
     block_m = max(16, min(128, _pow2(M)))
     block_k = next(b for b in (128, 64, 32, 16) if K % b == 0)  # supported() asks K % 16 == 0
     best = None
@@ -190,13 +243,19 @@ def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
         if stages < 3:  # too few bytes in flight to hide the memory latency
             continue
         warps = 8 if block_n * block_m >= 128 * 128 else 4
-        for split in (1, 2, 4, 8):
-            if K % (block_k * split) or K // split < 2 * block_k:
-                continue
-            cfg = Config(block_n, block_m, block_k, split, stages, warps)
-            # bytes: the weight, the rows re-read from L2 (a third), the split's fp32 sums (added, then exchanged)
-            sums = 4 * M * N * split if split > 1 else 0
-            cost = (2 * N * K + 2 * M * K * triton.cdiv(N, block_n) / 3 + sums) / wave_fill(M, N, cfg, sms)
+        tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+        slots = sms * max(1, SM_SMEM // ((block_n + block_m) * block_k * 2 * stages))
+        # K splits, then stream-K over one wave of programs (where it splits tiles at all)
+        layouts = [Config(block_n, block_m, block_k, split, stages, warps) for split in (1, 2, 4, 8)
+                   if K % (block_k * split) == 0 and K // split >= 2 * block_k]
+        if tiles < slots and K // block_k >= 2:
+            layouts.append(Config(block_n, block_m, block_k, 1, stages, warps, programs=slots))
+        for cfg in layouts:
+            # bytes: the weight, the rows re-read from L2 (a third), the shared tiles' fp32 sums
+            # (added, then exchanged: about one per sharer of each tile)
+            sharers = cfg.split_k if not cfg.programs else -(-cfg.programs // tiles) + 1
+            sums = 4 * M * N * sharers if sharers > 1 else 0
+            cost = (2 * N * K + 2 * M * K * triton.cdiv(N, block_n) / 3 + sums) / wave_fill(M, N, K, cfg, sms)
             if best is None or cost < best[0] * 0.98:
                 best = (cost, cfg)
     if best is None:  # K too short to split, tiles too wide: the smallest launch
@@ -279,12 +338,14 @@ def decode_linear(
     N = W.shape[0]
     if cfg is None:
         cfg = config(M, N, K, _sms(x.device)) or heuristic(M, N, K, _sms(x.device))
-    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
-    if cfg.split_k > 1 and (workspace is None or not workspace.fits(M, N, grid[0] * grid[1])):
-        cfg = dataclasses.replace(cfg, split_k=1)
-        grid = (grid[0], grid[1], 1)
-    if K % (cfg.block_k * cfg.split_k):
+    if K % cfg.block_k or (cfg.programs == 0 and K % (cfg.block_k * cfg.split_k)):
         raise ValueError(f"decode_linear: K = {K} is not a multiple of block_k {cfg.block_k} x split {cfg.split_k}")
+    tiles_m, tiles = triton.cdiv(M, cfg.block_m), triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    programs, per = _layout(M, N, K, cfg)
+    shared = per % (K // cfg.block_k) != 0  # some tile's K blocks span several programs
+    if shared and (workspace is None or not workspace.fits(M, N, tiles)):
+        cfg = dataclasses.replace(cfg, split_k=1, programs=0)  # no workspace: one program a tile
+        (programs, per), shared = _layout(M, N, K, cfg), False
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"decode_linear: bias {tuple(bias.shape)} for {N} outputs")
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -308,17 +369,17 @@ def decode_linear(
                  TensorDescriptor.from_tensor(W, [cfg.block_n, cfg.block_k]))
     else:
         descs = (x, W)
-    ws = workspace.sums if cfg.split_k > 1 else y
-    cnt = workspace.counters if cfg.split_k > 1 else y
+    ws = workspace.sums if shared else y
+    cnt = workspace.counters if shared else y
     opts = pdl.options()
-    prefetch = min(cfg.prefetch, K // cfg.split_k * x.element_size()) // 16 * 16 if opts["PDL"] else 0
-    _decode_gemm_kernel[grid](
+    prefetch = min(cfg.prefetch, per * cfg.block_k * x.element_size()) // 16 * 16 if opts["PDL"] else 0
+    _decode_gemm_kernel[(programs,)](
         x, W, y, bias if bias is not None else y, ws, cnt,
         *lora_args, *descs,
-        M, N, K,
+        M, N, K, tiles_m, per,
         x.stride(0), W.stride(0), y.stride(0), *lora_strides,
         HAS_BIAS=bias is not None, LORA=lora is not None, HAS_ROWS=lora is not None and lora[3] is not None,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         R_PAD=max(16, _pow2(R)), PREFETCH=prefetch,
         PREC="ieee" if W.dtype == torch.float32 else "tf32",  # fp32: exact products, as cuBLAS without TF32
         TMA=cfg.tma,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import copy_bandwidth, graph_us, hardware_line
+from bench.lora_decode import row_groups
 from ember.core.kernels import decode_gemm as dg
 from ember.core.kernels import lora_decode as ld
 from ember.core.kernels import pdl
@@ -100,12 +101,7 @@ def main() -> None:
     ws = dg.Workspace(256, VOCAB, "cuda", tiles=1 << 16)
     wrong: list[str] = []
     for M, busy in zip(map(int, args.rows.split(",")), map(int, args.busy.split(","))):
-        counts = torch.zeros(busy + 1, dtype=torch.long)
-        counts[1:] = M // busy
-        counts[-1] += M - int(counts.sum())
-        offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
-        n_rows = torch.tensor([M], dtype=torch.int32, device="cuda")
-        active = ld.active_groups(offs, n_rows, skip_first=True)
+        offs, n_rows, active = row_groups(M, busy)
         for name in args.shapes.split(","):
             N, K, members = SHAPES[name]
             L = 2 if name == "lm_head" else args.layers

@@ -41,6 +41,17 @@ def stacks(K: int, members: int, out: int, rank: int, slots: int) -> tuple[torch
     return A, B
 
 
+def row_groups(rows: int, busy: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``rows`` rows sorted over ``busy`` adapters (slots 1..busy, slot 0 empty), as a decode step
+    gives them to the kernels: ``(offsets, n_rows, active groups)``."""
+    counts = torch.zeros(busy + 1, dtype=torch.long)
+    counts[1:] = rows // busy
+    counts[-1] += rows - int(counts.sum())
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    n_rows = torch.tensor([rows], dtype=torch.int32, device="cuda")
+    return offs, n_rows, ld.active_groups(offs, n_rows, skip_first=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="64,256")
@@ -55,12 +66,7 @@ def main() -> None:
     torch.manual_seed(0)
     for N, busy in zip(map(int, args.rows.split(",")), map(int, args.busy.split(","))):
         print(f"\n== {N} rows over {busy} adapter(s), rank {args.rank}, {args.layers} layers ==")
-        counts = torch.zeros(busy + 1, dtype=torch.long)
-        counts[1:] = N // busy
-        counts[-1] += N - int(counts.sum())
-        offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
-        n_rows = torch.tensor([N], dtype=torch.int32, device="cuda")
-        active = ld.active_groups(offs, n_rows, skip_first=True)
+        offs, n_rows, active = row_groups(N, busy)
         total = {"shrink": 0.0, "expand": 0.0}
         best_total = {"shrink": 0.0, "expand": 0.0}
         for name, (K, members, out) in GROUPS.items():

@@ -282,7 +282,7 @@ class Workspace:
     for the largest ``rows x cols`` and ``tiles`` it must serve; the caller keeps it alive as long
     as any CUDA graph that captured a call using it."""
 
-    def __init__(self, rows: int, cols: int, device: torch.device | str, tiles: int = 4096):
+    def __init__(self, rows: int, cols: int, device: torch.device | str, tiles: int = 1 << 14):
         self.sums = torch.zeros(rows * cols, dtype=torch.float32, device=device)
         self.counters = torch.zeros(tiles, dtype=torch.int32, device=device)
 

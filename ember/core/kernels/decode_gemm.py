@@ -34,6 +34,7 @@ caller, so CUDA graphs keep pointing at live memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +228,7 @@ def wave_fill(M: int, N: int, K: int, cfg: Config, sms: int = 132) -> float:
     return units / (triton.cdiv(programs, slots) * slots * per)
 
 
+@functools.lru_cache(maxsize=256)
 def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
     """A launch for ``[M, K] x [N, K]^T`` on a GPU of ``sms`` multiprocessors, from a model of a
     memory-bound product: every row in one block up to 128 rows; for each tile width, the deepest
@@ -234,7 +236,7 @@ def heuristic(M: int, N: int, K: int, sms: int = 132) -> Config:
     splits, or stream-K over one wave of programs) with the fewest bytes (the weight, a third of the
     rows' re-reads from L2, once per tile column, and the shared tiles' fp32 partial sums) divided
     by :func:`wave_fill`. Ties go to the earlier layout (fewer splits). A model, not a measurement:
-    measured choices (:data:`TUNED`) override it."""
+    measured choices (:data:`TUNED`) override it. Cached: a step asks it for every product."""
     block_m = max(16, min(128, _pow2(M)))
     block_k = next(b for b in (128, 64, 32, 16) if K % b == 0)  # supported() asks K % 16 == 0
     best = None
@@ -337,7 +339,8 @@ def decode_linear(
     M, K = x.shape
     N = W.shape[0]
     if cfg is None:
-        cfg = config(M, N, K, _sms(x.device)) or heuristic(M, N, K, _sms(x.device))
+        sms = _sms(x.device)
+        cfg = config(M, N, K, sms) or heuristic(M, N, K, sms)
     if K % cfg.block_k or (cfg.programs == 0 and K % (cfg.block_k * cfg.split_k)):
         raise ValueError(f"decode_linear: K = {K} is not a multiple of block_k {cfg.block_k} x split {cfg.split_k}")
     tiles_m, tiles = triton.cdiv(M, cfg.block_m), triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)

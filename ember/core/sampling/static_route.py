@@ -372,16 +372,18 @@ class StaticRoute:
         rows = self.packed.rows(name, weight) if self.packed is not None and x.dim() == 2 else None
         if rows is None:
             st = self.stacks.stacks.get(name) if self.lora else None
-            if self._gemm_ok(x, weight, st[1] if st is not None else None):
+            B = st[1] if st is not None else None
+            if self._gemm_ok(x, weight, B):
                 key, j = self.stacks.member[name] if st is not None else (name, 0)
-                return self._gemm(key, j, x, weight, bias, st[1] if st is not None else None)
+                return self._gemm(key, j, x, weight, bias, B)
             return self.add_delta(name, x, F.linear(x, weight, bias))
         key, start, end = rows
         if self._y is None or self._y[0] != key or self._y[1] is not x:
             stacks = self.stacks.fused.get(key) if self.lora else None
             W, b = self.packed.weights[key]
-            if not self.packed.rollout(key) and self._gemm_ok(x, W, stacks[1] if stacks is not None else None):
-                y = self._gemm(key, 0, x, W, b, stacks[1] if stacks is not None else None)
+            B = stacks[1] if stacks is not None else None
+            if not self.packed.rollout(key) and self._gemm_ok(x, W, B):
+                y = self._gemm(key, 0, x, W, b, B)
             else:
                 y = self.packed.product(key, x)
                 if stacks is not None:

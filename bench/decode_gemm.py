@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,6 +73,39 @@ def candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[dg.Config]
     return sorted(out, key=lambda c: (c.block_n, c.block_m, c.block_k, c.split_k, c.programs, c.stages, c.tma))
 
 
+def _compile(job: tuple[str, int, list[dg.Config]]) -> int:
+    """In a worker process: launch every configuration of ``job`` once at its shape, so Triton's
+    disk cache holds its binary when the timing process asks for it. Returns how many compiled."""
+    name, M, cfgs = job
+    N, K, _ = SHAPES[name]
+    x = torch.zeros(M, K, device="cuda", dtype=torch.bfloat16)
+    W = torch.zeros(N, K, device="cuda", dtype=torch.bfloat16)
+    ws = dg.Workspace(256, VOCAB, "cuda", tiles=1 << 16)  # as the timing process's: same specialisation
+    done = 0
+    for cfg in cfgs:
+        try:
+            dg.decode_linear(x, W, workspace=ws, cfg=cfg)
+            done += 1
+        except Exception:  # noqa: BLE001, S110 - the timing process reports it
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(jobs: list[tuple[str, int, list[dg.Config]]], workers: int) -> None:
+    """Compile the sweep's kernels in ``workers`` processes (Triton compiles one kernel at a time
+    per process, about a second each; the sweep has hundreds)."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    t0 = time.perf_counter()
+    chunks = [(name, M, cfgs[i::4]) for name, M, cfgs in jobs for i in range(4)]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        n = sum(pool.map(_compile, chunks))
+    print(f"compiled {n} configurations in {workers} processes in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def lora_stacks(N: int, members: int, rank: int, busy: int) -> torch.Tensor:
     R = members * rank
     B = torch.randn(busy + 1, N, R, device="cuda", dtype=torch.bfloat16) * R**-0.5
@@ -89,6 +123,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="time only 4-stage pipelines")
     ap.add_argument("--prefetch", default="0,512,2048", help="bytes per weight row prefetched into L2 (with PDL)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                    help="processes that compile the sweep's kernels first (1: compile as timed)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/decode_gemm.py times CUDA kernels: it needs a GPU")
@@ -100,7 +136,11 @@ def main() -> None:
     best: dict[str, dict] = {}
     ws = dg.Workspace(256, VOCAB, "cuda", tiles=1 << 16)
     wrong: list[str] = []
-    for M, busy in zip(map(int, args.rows.split(",")), map(int, args.busy.split(","))):
+    plan = list(zip(map(int, args.rows.split(",")), map(int, args.busy.split(","))))
+    if args.compile_workers > 1:
+        precompile([(name, M, candidates(M, *SHAPES[name][:2], sms, args.quick))
+                    for M, _ in plan for name in args.shapes.split(",")], args.compile_workers)
+    for M, busy in plan:
         offs, n_rows, active = row_groups(M, busy)
         for name in args.shapes.split(","):
             N, K, members = SHAPES[name]

@@ -72,21 +72,25 @@ if fused.HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_BLOCK: tl.constexpr, PREC: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
-            gdc_wait()
-            gdc_launch_dependents()
         k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < K
         r = tl.program_id(2) * R_BLOCK + tl.arange(0, R_BLOCK)
         rmask = r < R
         # program (j, s, rb) serves the active groups j, j + GSTRIDE, ... of the list (configured
         # but unused slots cost nothing): columns [s · BLOCK_K, (s + 1) · BLOCK_K) of the rank rows of
-        # block rb, added to h once per row block
-        for i in range(tl.program_id(0), tl.load(N_ACTIVE), GSTRIDE):
-            g = tl.load(ACTIVE + i)
-            start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
-            a_ptr = A + (g + tl.zeros([], tl.int64)) * stride_ag + r[:, None] * stride_ar + k[None, :]
-            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        # block rb, added to h once per row block. Its first group's rows and slice of A are loaded
+        # before the wait (kernels.pdl, "read early": the list, the offsets and the factors are
+        # written before the step or at its start, never by the kernel just before)
+        n_active = tl.load(N_ACTIVE)
+        nxt = tl.program_id(0) + tl.zeros([], tl.int32)
+        g = tl.load(ACTIVE + nxt, mask=nxt < n_active, other=0)
+        start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
+        a_ptr = A + g.to(tl.int64) * stride_ag + r[:, None] * stride_ar + k[None, :]
+        a = tl.load(a_ptr, mask=(rmask & (r * 0 + nxt < n_active))[:, None] & kmask[None, :], other=0.0)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
+        for i in range(tl.program_id(0), n_active, GSTRIDE):
             for m0 in range(start, end, BLOCK_M):
                 rows = m0 + tl.arange(0, BLOCK_M)
                 mmask = rows < end
@@ -95,6 +99,11 @@ if fused.HAVE_TRITON:
                 acc = tl.dot(x.to(a.dtype), tl.trans(a), input_precision=PREC)  # [BLOCK_M, R_BLOCK] fp32
                 h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
                 tl.atomic_add(h_ptr, acc, mask=mmask[:, None] & rmask[None, :], sem="relaxed")
+            nxt = i + GSTRIDE  # the next group's rows and factors, loaded while this one's products land
+            g = tl.load(ACTIVE + nxt, mask=nxt < n_active, other=0)
+            start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
+            a_ptr = A + g.to(tl.int64) * stride_ag + r[:, None] * stride_ar + k[None, :]
+            a = tl.load(a_ptr, mask=(rmask & (r * 0 + nxt < n_active))[:, None] & kmask[None, :], other=0.0)
 
     @triton.jit
     def _lora_expand_kernel(
@@ -105,33 +114,39 @@ if fused.HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
-            gdc_wait()
-            gdc_launch_dependents()
         ob = tl.program_id(1)
         r = tl.arange(0, R_PAD)
         o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
         rmask = r < R
         omask = o < N_OUT
-        for i in range(tl.program_id(0), tl.load(N_ACTIVE), GSTRIDE):  # as in the shrink kernel
-            g = tl.load(ACTIVE + i)
+        # the active groups as in the shrink kernel; the first one's rows and block of B[g]
+        # ([BLOCK_O, R_PAD]) loaded before the wait, as there
+        n_active = tl.load(N_ACTIVE)
+        nxt = tl.program_id(0) + tl.zeros([], tl.int32)
+        g = tl.load(ACTIVE + nxt, mask=nxt < n_active, other=0)
+        start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
+        b_ptr = B + g.to(tl.int64) * stride_bg + o.to(tl.int64)[:, None] * stride_bo + r[None, :]
+        b = tl.load(b_ptr, mask=(omask & (o * 0 + nxt < n_active))[:, None] & rmask[None, :], other=0.0)
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
+        for i in range(tl.program_id(0), n_active, GSTRIDE):
+            b_t = tl.trans(b)
+            for m0 in range(start, end, BLOCK_M):
+                rows = m0 + tl.arange(0, BLOCK_M)
+                mmask = rows < end
+                h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
+                h = tl.load(h_ptr, mask=mmask[:, None] & rmask[None, :], other=0.0).to(b.dtype)
+                d = tl.dot(h, b_t, input_precision=PREC)  # [BLOCK_M, BLOCK_O] fp32
+                y_ptr = Y + rows.to(tl.int64)[:, None] * stride_ym + o[None, :]
+                ymask = mmask[:, None] & omask[None, :]
+                y = tl.load(y_ptr, mask=ymask, other=0.0).to(tl.float32)
+                tl.store(y_ptr, (y + d).to(Y.dtype.element_ty), mask=ymask)
+            nxt = i + GSTRIDE  # the next group's rows and block of B, as in the shrink kernel
+            g = tl.load(ACTIVE + nxt, mask=nxt < n_active, other=0)
             start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
-            if end > start:
-                # this program's block of B[g], loaded once: [BLOCK_O, R_PAD]
-                b_ptr = B + (g + tl.zeros([], tl.int64)) * stride_bg + o.to(tl.int64)[:, None] * stride_bo + r[None, :]
-                b = tl.load(b_ptr, mask=omask[:, None] & rmask[None, :], other=0.0)
-                b_t = tl.trans(b)
-                for m0 in range(start, end, BLOCK_M):
-                    rows = m0 + tl.arange(0, BLOCK_M)
-                    mmask = rows < end
-                    h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
-                    h = tl.load(h_ptr, mask=mmask[:, None] & rmask[None, :], other=0.0).to(b.dtype)
-                    d = tl.dot(h, b_t, input_precision=PREC)  # [BLOCK_M, BLOCK_O] fp32
-                    y_ptr = Y + rows.to(tl.int64)[:, None] * stride_ym + o[None, :]
-                    ymask = mmask[:, None] & omask[None, :]
-                    y = tl.load(y_ptr, mask=ymask, other=0.0).to(tl.float32)
-                    tl.store(y_ptr, (y + d).to(Y.dtype.element_ty), mask=ymask)
-
+            b_ptr = B + g.to(tl.int64) * stride_bg + o.to(tl.int64)[:, None] * stride_bo + r[None, :]
+            b = tl.load(b_ptr, mask=(omask & (o * 0 + nxt < n_active))[:, None] & rmask[None, :], other=0.0)
 
 _STATE = {"ok": True}
 # programs per split across the groups (each walks every GROUP_PROGRAMS-th group): bounds the launch

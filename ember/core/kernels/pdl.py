@@ -13,7 +13,17 @@ Every kernel that takes part has a ``PDL: tl.constexpr`` argument and begins wit
         gdc_launch_dependents()  # the next grid may launch now; it waits the same way
 
 before its first load or store. Transitively that also orders it after every earlier kernel (each
-one waited for its own predecessor before it could finish). The block is written out in each
+one waited for its own predecessor before it could finish).
+
+**Read early.** A kernel may load, before the wait, what no kernel close before it writes: the
+weights and LoRA factors (written before the step) and the step's row groups (offsets, row count,
+the active-group list: copied in before the step or computed at its very start, see
+``StaticDecoder._step``). The next grid launches once every program of this one has passed its
+wait, so at that point the grid two before it has finished: whatever was written three or more
+launches back is complete and visible. Those loads then overlap the previous kernel instead of
+following it (a LoRA kernel's chain of loads: the group list, the group's rows, its factors).
+Nothing is stored before the wait, and ``tests/unit/test_pdl.py`` lists, per kernel, the
+arguments it may read early. The block is written out in each
 kernel rather than called as a helper: under the Triton interpreter (the CPU tests) a nested
 ``@triton.jit`` call costs more than many of the kernels' bodies.
 

@@ -273,6 +273,10 @@ class StaticDecoder:
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
                             rows=buf.positions.shape[0], gemm=self.gemm)
+        if use_lora and fused.use_triton(buf.offsets):
+            # the active-group list at the step's start: the LoRA kernels read it before their
+            # grid-dependency wait (kernels.pdl, "read early"), so no kernel close before them may write it
+            route.active  # noqa: B018 - computed and kept by the route
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True),

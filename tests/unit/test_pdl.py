@@ -42,6 +42,7 @@ def _kernels():
 READ_EARLY = {
     "_lora_shrink_kernel": {"A", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
     "_lora_expand_kernel": {"B", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
+    "_swiglu_lora": {"OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
 }
 WAIT = "if PDL:\n    gdc_wait()\n    gdc_launch_dependents()"
 

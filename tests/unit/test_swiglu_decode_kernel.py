@@ -54,8 +54,10 @@ SCRIPT = textwrap.dedent(
         return act, h_d
 
     # (rows per group, intermediate width, stack ranks): groups sizes include empty ones, rows not a
-    # multiple of the row block, a width not a multiple of the column block; padding rows after n_rows
-    cases = [([3, 20, 0, 14], 200, 16, 16, None), ([0, 70, 5], 136, 32, 16, 60), ([9], 128, 16, 32, None)]
+    # multiple of the row block, a width not a multiple of the column block; padding rows after n_rows;
+    # many groups in one row block (the kernel finds a block's groups from the whole list at once)
+    cases = [([3, 20, 0, 14], 200, 16, 16, None), ([0, 70, 5], 136, 32, 16, 60), ([9], 128, 16, 32, None),
+             ([1, 5, 3, 0, 7, 4, 2, 6], 128, 16, 16, 25)]
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         for sizes, I, R, RD, n_real in cases:
             N = sum(sizes)

@@ -28,15 +28,27 @@ if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ember.core.kernels.lora_decode import _group_rows
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M: tl.constexpr, HAS_ROWS: tl.constexpr):
-        # the i-th active group, whether it has rows in this block, and which of the block's rows
-        grp = tl.load(ACTIVE + i)
-        start, end = _group_rows(OFFS, ROWS, grp, HAS_ROWS)
-        return grp, (end > m0) & (start < m0 + BLOCK_M), (rows >= start) & (rows < end)
+    def _block_groups(OFFS, ROWS, ACTIVE, N_ACTIVE, m0, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                      HAS_ROWS: tl.constexpr):
+        # the active groups with rows in [m0, m0 + BLOCK_M): positions first..last of the active
+        # list (rows are sorted by group, so they are consecutive there), with every active group's
+        # id and rows as vectors, loaded at once rather than walked group by group
+        j = tl.arange(0, G_PAD)
+        live = j < tl.load(N_ACTIVE)
+        gv = tl.load(ACTIVE + j, mask=live, other=0)
+        ev = tl.load(OFFS + gv, mask=live, other=0)
+        sv = tl.where(gv > 0, tl.load(OFFS + tl.maximum(gv - 1, 0), mask=live, other=0), 0)
+        if HAS_ROWS:
+            n = tl.load(ROWS)
+            sv = tl.minimum(sv, n)
+            ev = tl.minimum(ev, n)
+        hit = live & (ev > sv) & (ev > m0) & (sv < m0 + BLOCK_M)
+        first = tl.min(tl.where(hit, j, G_PAD), axis=0)
+        last = tl.max(tl.where(hit, j, -1), axis=0)
+        return j, gv, sv, ev, first, last
 
     @triton.jit
     def _swiglu_lora(
@@ -45,9 +57,13 @@ if fused.HAVE_TRITON:
         N, I, R, RD,
         HAS_ROWS: tl.constexpr, HAS_GU: tl.constexpr, HAS_DOWN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, RD_PAD: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, G_PAD: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
+        m0 = tl.program_id(1) * BLOCK_M
+        # the groups of this row block, before the wait (kernels.pdl, "read early": the list and the
+        # offsets are written at the step's start)
+        j, gv, sv, ev, first, last = _block_groups(OFFS, ROWS, ACTIVE, N_ACTIVE, m0, BLOCK_M, G_PAD, HAS_ROWS)
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
@@ -57,8 +73,6 @@ if fused.HAVE_TRITON:
         rmask = r < R
         rd = tl.arange(0, RD_PAD)
         rdmask = rd < RD
-        n_active = tl.load(N_ACTIVE)
-        m0 = tl.program_id(1) * BLOCK_M
         rows = m0 + tl.arange(0, BLOCK_M)
         mmask = rows < N
         tile = mmask[:, None] & cmask[None, :]
@@ -66,35 +80,37 @@ if fused.HAVE_TRITON:
         g = tl.load(gu_ptr, mask=tile, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + I, mask=tile, other=0.0).to(tl.float32)
         if HAS_GU:
-            for i in range(n_active):
-                grp, hit, mine = _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M, HAS_ROWS)
-                if hit:
-                    h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
-                    hmask = mine[:, None] & rmask[None, :]
-                    b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
-                    bmask = cmask[:, None] & rmask[None, :]
-                    # gate: B rows [0, I), factor columns [0, R); up: rows [I, 2I), columns [R, 2R)
-                    bg = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_bo, mask=bmask, other=0.0)
-                    bu = tl.load(b_ptr + (I + cols).to(tl.int64)[:, None] * stride_bo + R, mask=bmask, other=0.0)
-                    hg = tl.load(h_ptr, mask=hmask, other=0.0).to(bg.dtype)
-                    hu = tl.load(h_ptr + R, mask=hmask, other=0.0).to(bg.dtype)
-                    g += tl.dot(hg, tl.trans(bg), input_precision=PREC)
-                    u += tl.dot(hu, tl.trans(bu), input_precision=PREC)
+            for i in range(first, last + 1):
+                sel = j == i  # entry i of the vectors, without a load
+                grp = tl.sum(tl.where(sel, gv, 0), axis=0)
+                mine = (rows >= tl.sum(tl.where(sel, sv, 0), axis=0)) & (rows < tl.sum(tl.where(sel, ev, 0), axis=0))
+                h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
+                hmask = mine[:, None] & rmask[None, :]
+                b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
+                bmask = cmask[:, None] & rmask[None, :]
+                # gate: B rows [0, I), factor columns [0, R); up: rows [I, 2I), columns [R, 2R)
+                bg = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_bo, mask=bmask, other=0.0)
+                bu = tl.load(b_ptr + (I + cols).to(tl.int64)[:, None] * stride_bo + R, mask=bmask, other=0.0)
+                hg = tl.load(h_ptr, mask=hmask, other=0.0).to(bg.dtype)
+                hu = tl.load(h_ptr + R, mask=hmask, other=0.0).to(bg.dtype)
+                g += tl.dot(hg, tl.trans(bg), input_precision=PREC)
+                u += tl.dot(hu, tl.trans(bu), input_precision=PREC)
             # the expand kernel's one rounding of base + delta
             g = g.to(GU.dtype.element_ty).to(tl.float32)
             u = u.to(GU.dtype.element_ty).to(tl.float32)
         act = (g * tl.sigmoid(g) * u).to(ACT.dtype.element_ty)
         tl.store(ACT + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=tile)
         if HAS_DOWN:
-            for i in range(n_active):
-                grp, hit, mine = _group_in_block(OFFS, ROWS, ACTIVE, i, rows, m0, BLOCK_M, HAS_ROWS)
-                if hit:
-                    a_ptr = AD + (grp + tl.zeros([], tl.int64)) * stride_ag + rd[:, None] * stride_ar + cols[None, :]
-                    a = tl.load(a_ptr, mask=rdmask[:, None] & cmask[None, :], other=0.0)
-                    x = tl.where(mine[:, None], act, 0.0).to(a.dtype)
-                    part = tl.dot(x, tl.trans(a), input_precision=PREC)  # [BLOCK_M, RD_PAD] fp32
-                    hd_ptr = HD + rows.to(tl.int64)[:, None] * stride_hd + rd[None, :]
-                    tl.atomic_add(hd_ptr, part, mask=mine[:, None] & rdmask[None, :], sem="relaxed")
+            for i in range(first, last + 1):
+                sel = j == i  # entry i of the vectors, without a load
+                grp = tl.sum(tl.where(sel, gv, 0), axis=0)
+                mine = (rows >= tl.sum(tl.where(sel, sv, 0), axis=0)) & (rows < tl.sum(tl.where(sel, ev, 0), axis=0))
+                a_ptr = AD + (grp + tl.zeros([], tl.int64)) * stride_ag + rd[:, None] * stride_ar + cols[None, :]
+                a = tl.load(a_ptr, mask=rdmask[:, None] & cmask[None, :], other=0.0)
+                x = tl.where(mine[:, None], act, 0.0).to(a.dtype)
+                part = tl.dot(x, tl.trans(a), input_precision=PREC)  # [BLOCK_M, RD_PAD] fp32
+                hd_ptr = HD + rows.to(tl.int64)[:, None] * stride_hd + rd[None, :]
+                tl.atomic_add(hd_ptr, part, mask=mine[:, None] & rdmask[None, :], sem="relaxed")
 
 
 BLOCK_K = 128  # intermediate columns per program: the down shrink's split (lora_decode.shrink_config's)
@@ -146,6 +162,7 @@ def swiglu_lora(
         N, I, R, RD,
         HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
         BLOCK_M=block_m, BLOCK_K=BLOCK_K, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
-        PREC=_prec(B_gu if gate_up is not None else A_d), num_warps=8, **pdl.options(),
+        PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=max(2, _pow2(offsets.shape[0])), num_warps=8,
+        **pdl.options(),
     )
     return act

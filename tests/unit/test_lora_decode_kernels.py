@@ -102,6 +102,35 @@ SCRIPT = textwrap.dedent(
                 assert torch.equal(y[n_real:], y0[n_real:])
                 check(f"delta_add rows {dtype} case {i}", y, reference(y0, x, A, B, offs, n_real), tol)
 
+    # a packed group's block-diagonal B (members of these output widths, R columns each): with
+    # ``splits`` each block of outputs multiplies only its member's columns; widths whose common
+    # power of two is below a tile (40, 24: 8) fall back to the whole of B
+    for widths in ((64, 32, 32), (32, 96), (40, 24)):
+        G, Rm, N = 4, 16, 37
+        offs = torch.tensor([5, 17, 17, N], dtype=torch.int32)
+        B = torch.zeros(G, sum(widths), len(widths) * Rm)
+        o = 0
+        for j, w in enumerate(widths):
+            B[:, o : o + w, j * Rm : (j + 1) * Rm] = torch.randn(G, w, Rm) / Rm ** 0.5
+            o += w
+        B[0] = 0
+        h = torch.randn(N, len(widths) * Rm)
+        y0 = torch.randn(N, sum(widths))
+        want = y0.double().clone()
+        s = 0
+        for g, e in enumerate(offs.tolist()):
+            if e > s and g > 0:
+                want[s:e] += h[s:e].double() @ B[g].double().T
+            s = e
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+            y = ld.lora_expand_add(y0.clone().to(dtype), h, B.to(dtype), offs, skip_first=True, splits=widths)
+            check(f"expand splits={widths} {dtype}", y, want, tol)
+    try:
+        ld.lora_expand_add(y0, h, B, offs, splits=(8, 8))
+        raise AssertionError("splits that do not cover the outputs were taken")
+    except ValueError as e:
+        assert "splits" in str(e)
+
     # an fp32 output (the LM head's logits) with bf16 activations and stacks; 3-d activations
     A, B = stacks(3, 32, 32, 128, 300, torch.bfloat16)
     offs = torch.tensor([2, 9, 13], dtype=torch.int32)
@@ -129,6 +158,7 @@ SCRIPT = textwrap.dedent(
         stacks={"q": (A_qk[:, :R], B_qk[:, :300, :R]), "k": (A_qk[:, R:], B_qk[:, 300:, R:]), "o": (A_o, B_o)},
         fused={"q": (A_qk, B_qk), "o": (A_o, B_o)},
         member={"q": ("q", 0), "k": ("q", 1), "o": ("o", 0)},
+        splits={"q": (300, 200), "o": (300,)},
         rank=R,
     )
     W = torch.randn(300, 128)

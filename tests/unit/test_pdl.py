@@ -41,7 +41,7 @@ def _kernels():
 # never by the kernel just before it; every other argument is only touched after the wait
 READ_EARLY = {
     "_lora_shrink_kernel": {"A", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
-    "_lora_expand_kernel": {"B", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
+    "_lora_expand_kernel": {"B", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE", "COL0"},
     "_swiglu_lora": {"OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
 }
 WAIT = "if PDL:\n    gdc_wait()\n    gdc_launch_dependents()"

@@ -98,6 +98,7 @@ SCRIPT = textwrap.dedent(
         stacks={"gate": (A_gu[:, :R], B_gu[:, :I, :R]), "up": (A_gu[:, R:], B_gu[:, I:, R:]), "down": (A_d, B_d)},
         fused={"gate": (A_gu, B_gu), "down": (A_d, B_d)},
         member={"gate": ("gate", 0), "up": ("gate", 1), "down": ("down", 0)},
+        splits={"gate": (I, I), "down": (H,)},
         rank=R,
     )
     offs = torch.tensor([2, 9, N], dtype=torch.int32)

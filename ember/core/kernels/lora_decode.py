@@ -38,6 +38,8 @@ active-slot list is computed once per step.
 
 from __future__ import annotations
 
+import functools
+import math
 import warnings
 
 import torch
@@ -107,17 +109,20 @@ if fused.HAVE_TRITON:
 
     @triton.jit
     def _lora_expand_kernel(
-        H, B, Y, OFFS, ROWS, ACTIVE, N_ACTIVE,
+        H, B, Y, OFFS, ROWS, ACTIVE, N_ACTIVE, COL0,
         stride_hm, stride_bg, stride_bo, stride_ym,
         N_OUT, R,
         HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
+        SPLIT: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         ob = tl.program_id(1)
-        r = tl.arange(0, R_PAD)
+        # SPLIT: B is block-diagonal over a packed group's members; this block of outputs belongs to
+        # one member, whose R factor columns start at COL0[ob] (of h and of B)
+        r = tl.arange(0, R_PAD) + (tl.load(COL0 + ob) if SPLIT else 0)
         o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        rmask = r < R
+        rmask = r < R + (tl.load(COL0 + ob) if SPLIT else 0)
         omask = o < N_OUT
         # the active groups as in the shrink kernel; the first one's rows and block of B[g]
         # ([BLOCK_O, R_PAD]) loaded before the wait, as there
@@ -275,11 +280,16 @@ def lora_expand_add(
     active: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_o: int | None = None,
     group_programs: int | None = None,
+    splits: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """``y[rows of g] += h[rows of g] @ B[g].T`` in place (``h`` ``[N, r]``, ``B`` ``[G, out, r]``,
     ``y`` ``[N, out]`` of any float dtype: the sum is formed in fp32 and rounded once); rows skipped
     as in :func:`lora_shrink` are left untouched. ``block_o`` and ``group_programs`` replace
-    :func:`expand_block`'s and :data:`GROUP_PROGRAMS` (the benchmark sweeps them). Returns ``y``."""
+    :func:`expand_block`'s and :data:`GROUP_PROGRAMS` (the benchmark sweeps them). ``splits``: the
+    output widths of a packed group's members when ``B`` is block-diagonal over them (member ``j``'s
+    outputs take only factor columns ``[j·r/m, (j+1)·r/m)``, zeros elsewhere, as
+    :class:`~ember.core.sampling.static_route.LoraStacks` packs them): each block of outputs then
+    multiplies only its member's columns, ``1/m`` of the factor bytes. Returns ``y``."""
     _check(h, B, offsets)
     if y.dim() != 2 or y.stride(-1) != 1 or y.shape != (h.shape[0], B.shape[1]):
         raise ValueError(f"lora_expand_add: y {tuple(y.shape)} does not match h {tuple(h.shape)}, B {tuple(B.shape)}")
@@ -288,6 +298,15 @@ def lora_expand_add(
     first = 1 if skip_first else 0
     if N == 0 or G <= first or n_out == 0:
         return y
+    col0 = None
+    if splits is not None and len(splits) > 1:
+        if sum(splits) != n_out or R % len(splits):
+            raise ValueError(f"lora_expand_add: splits {splits} for {n_out} outputs and {R} factor columns")
+        unit = math.gcd(*splits) & -math.gcd(*splits)  # the largest power of two dividing every member
+        if unit >= 16:
+            R //= len(splits)
+            block_o = min(block_o or expand_block(n_out, R, N), unit)  # every block inside one member
+            col0 = _member_columns(tuple(splits), R, block_o, y.device)
     r_pad = max(16, _pow2(R))
     block_o = block_o or expand_block(n_out, R, N)
     block_m = _rows_block(N, r_pad)
@@ -297,12 +316,22 @@ def lora_expand_add(
     ids, count = active if active is not None else active_groups(offsets, n_rows, skip_first)
     _lora_expand_kernel[grid](
         h, B, y, offsets, n_rows if n_rows is not None else offsets, ids, count,
+        col0 if col0 is not None else offsets,
         h.stride(0), B.stride(0), B.stride(1), y.stride(0),
         n_out, R,
         HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
-        BLOCK_M=block_m, BLOCK_O=block_o, R_PAD=r_pad, PREC=_prec(B), num_warps=4, **pdl.options(),
+        BLOCK_M=block_m, BLOCK_O=block_o, R_PAD=r_pad, PREC=_prec(B), SPLIT=col0 is not None, num_warps=4,
+        **pdl.options(),
     )
     return y
+
+
+@functools.lru_cache(maxsize=64)
+def _member_columns(splits: tuple[int, ...], rank: int, block_o: int, device: torch.device) -> torch.Tensor:
+    """For each ``block_o`` block of a packed group's outputs (members of ``splits`` outputs, each
+    with ``rank`` factor columns), the first factor column of its member: int32 on ``device``."""
+    cols = [j * rank for j, n in enumerate(splits) for _ in range(n // block_o)]
+    return torch.tensor(cols, dtype=torch.int32, device=device)
 
 
 def lora_delta_torch(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

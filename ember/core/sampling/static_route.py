@@ -136,6 +136,7 @@ class LoraStacks:
         self.rank = 0
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (A, B) of all members
+        self.splits: dict[str, tuple[int, ...]] = {}  # group -> its members' output widths (B's diagonal blocks)
         self.member: dict[str, tuple[str, int]] = {}  # module -> (group, index in the group)
         self.synced: set[int] = set()
         self.version = 0  # bumped when the stacks are reallocated (captured graphs become stale)
@@ -197,7 +198,7 @@ class LoraStacks:
 
     def _allocate(self, rank: int, names: set[str]) -> None:
         self.rank = R = math.ceil(rank / RANK_MULTIPLE) * RANK_MULTIPLE
-        self.stacks, self.fused, self.member = {}, {}, {}
+        self.stacks, self.fused, self.member, self.splits = {}, {}, {}, {}
         grouped = [g for g in self.shared if set(g) <= names]
         singles = sorted(names - {n for g in grouped for n in g})
         for members in grouped + [[n] for n in singles]:
@@ -206,6 +207,7 @@ class LoraStacks:
             A_all = torch.zeros(self.groups, len(members) * R, i, dtype=self.dtype, device=self.device)
             B_all = torch.zeros(self.groups, sum(outs), len(members) * R, dtype=self.dtype, device=self.device)
             self.fused[members[0]] = (A_all, B_all)
+            self.splits[members[0]] = tuple(outs)
             o = 0
             for j, name in enumerate(members):
                 cols = slice(j * R, (j + 1) * R)
@@ -318,9 +320,10 @@ class StaticRoute:
             self._h = (key, x, h)
         return self._h[2]
 
-    def _expand(self, y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, triton: bool) -> torch.Tensor:
-        if triton:
-            lora_decode.lora_expand_add(y, h, B, self.offsets, self.n_rows, True, active=self.active)
+    def _expand(self, y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, triton: bool,
+                splits: tuple[int, ...] | None = None) -> torch.Tensor:
+        if triton:  # splits: a packed group's member widths (its block-diagonal B)
+            lora_decode.lora_expand_add(y, h, B, self.offsets, self.n_rows, True, active=self.active, splits=splits)
             return y
         return y + grouped_linear(h.contiguous(), B.contiguous(), self.offsets)
 
@@ -388,7 +391,7 @@ class StaticRoute:
                 y = self.packed.product(key, x)
                 if stacks is not None:
                     triton = self._triton(y, x, *stacks)
-                    y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton)
+                    y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton, self.stacks.splits[key])
             self._y = (key, x, y)
         return self._y[2][:, start:end]
 

@@ -132,10 +132,17 @@ def main() -> None:
                     lambda y=y, B=B, bo=bo, h=h, o=offs, n=n_rows, a=active: ld.lora_expand_add(y, h, B, o, n, True, active=a, block_o=bo)
                     for y, (_, B) in zip(ys, layers)
                 ]
-                results.append((graph_us(calls, iters=10) * args.layers, bo))
+                results.append((graph_us(calls, iters=10) * args.layers, f"block_o {bo or 'default'}"))
+            if members > 1:  # the step's choice: B's diagonal blocks member by member (lora_expand_add's splits)
+                splits = (out // members,) * members
+                calls = [
+                    lambda y=y, B=B, h=h, o=offs, n=n_rows, a=active, sp=splits: ld.lora_expand_add(y, h, B, o, n, True, active=a, splits=sp)
+                    for y, (_, B) in zip(ys, layers)
+                ]
+                results.insert(0, (graph_us(calls, iters=10) * args.layers, "member by member (the step's)"))
             print(f"{name}: expand [{N}, {R}] x [{out}, {R}]^T into y, floor {floor_e:.1f} us per step")
-            for us, bo in results:
-                print(f"  block_o {bo or 'default'}: {us:7.1f} us per step")
+            for us, label in results:
+                print(f"  {label}: {us:7.1f} us per step")
             for gp in (g for g in (8, 16) if busy > ld.GROUP_PROGRAMS and g <= 2 * busy):
                 calls = [
                     lambda y=y, B=B, h=h, o=offs, n=n_rows, a=active, gp=gp:

@@ -180,11 +180,13 @@ def shrink_config(K: int, R: int, N: int) -> tuple[int, int]:
     columns for ``r_block`` rank rows and adds them to ``h`` once per row block, so ``K / block_k``
     splits each add ``N × R`` values into ``h``.
 
-    Measured at Qwen3-8B's four projections (``bench/lora_decode.py``, H100): 128-column splits
-    with 16 rank rows per program at 64 rows, 32 at 256, were the fastest or within 2 % of it, and
-    9 % faster over a step than 64-column splits over the whole padded rank."""
+    Measured at Qwen3-8B's four projections (``bench/lora_decode.py``, H100): at 64 rows, 128-column
+    splits with 16 rank rows per program were the fastest or within 2 % of it, and 9 % faster over
+    a step than 64-column splits over the whole padded rank. At 256 rows each split's atomic adds
+    into ``h`` weigh more: 256-column splits with 32 rank rows took q/k/v's shrinks from 331 to
+    243 us a step and down's from 325 to 276 (o and gate/up within 3 %; 2026-12-06)."""
     r_block = min(max(16, _pow2(R)), 16 if N <= 64 else 32)
-    return min(128, _TILE // r_block), r_block
+    return min(128 if N <= 64 else 256, _TILE // r_block), r_block
 
 
 def expand_block(n_out: int, R: int, N: int) -> int:

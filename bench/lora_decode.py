@@ -133,13 +133,14 @@ def main() -> None:
                     for y, (_, B) in zip(ys, layers)
                 ]
                 results.append((graph_us(calls, iters=10) * args.layers, f"block_o {bo or 'default'}"))
-            if members > 1:  # the step's choice: B's diagonal blocks member by member (lora_expand_add's splits)
+            if members > 1:  # B's diagonal blocks member by member (lora_expand_add's splits): the step's choice
+                # for q/k/v (gate/up's expand runs inside the SwiGLU kernel, which does the same)
                 splits = (out // members,) * members
                 calls = [
                     lambda y=y, B=B, h=h, o=offs, n=n_rows, a=active, sp=splits: ld.lora_expand_add(y, h, B, o, n, True, active=a, splits=sp)
                     for y, (_, B) in zip(ys, layers)
                 ]
-                results.insert(0, (graph_us(calls, iters=10) * args.layers, "member by member (the step's)"))
+                results.insert(0, (graph_us(calls, iters=10) * args.layers, "member by member (splits; the step's for q/k/v)"))
             print(f"{name}: expand [{N}, {R}] x [{out}, {R}]^T into y, floor {floor_e:.1f} us per step")
             for us, label in results:
                 print(f"  {label}: {us:7.1f} us per step")

@@ -9,6 +9,9 @@ epilogue against cuBLAS followed by ``lora_decode.lora_expand_add`` (what the st
 and without programmatic dependent launch. ``--out``: the best configuration of each shape as JSON (``decode_gemm.json``, which
 ``decode_gemm.load_tuned`` and ``bench/sample.py --gemm-configs`` read).
 
+The sweep's kernels are compiled first in ``--compile-workers`` processes (Triton compiles one
+kernel at a time per process; 314 launch shapes took 20 s on 16 cores), then timed.
+
     python3 bench/decode_gemm.py                          # 64 and 256 rows, every shape
     python3 bench/decode_gemm.py --rows 64 --shapes o,down --quick
 """

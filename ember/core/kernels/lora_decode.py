@@ -13,7 +13,12 @@ each group with rows, the delta is ``x[rows] @ A[g].T @ B[g].T``. Two launches:
   ``in / BLOCK_K`` programs of a group stream ``A[g]`` and ``x`` in parallel (:func:`shrink_config`).
 * :func:`lora_expand_add`, ``y[rows] += h[rows] @ B[g].T`` in place: program ``(j, o)`` loads the
   block ``B[g][o·BLOCK_O : (o+1)·BLOCK_O, :]`` once and loops over the group's row blocks, adding the
-  delta to ``y`` in fp32 and rounding once to ``y``'s dtype (this fuses the ``y + delta`` add).
+  delta to ``y`` in fp32 and rounding once to ``y``'s dtype (this fuses the ``y + delta`` add). For
+  a packed group (``splits``) the block takes only its member's columns of the block-diagonal ``B``.
+
+Under programmatic dependent launch both kernels load the group list, the group's rows and their
+first factor block before the grid-dependency wait (:mod:`ember.core.kernels.pdl`, "read early"),
+and the next group's while the current one's products land.
 
 The groups with rows are listed first (:func:`active_groups`, device ops computed once per step)
 and spread over ``GROUP_PROGRAMS`` programs per split (program ``j`` takes active groups ``j``,
@@ -120,9 +125,10 @@ if fused.HAVE_TRITON:
         ob = tl.program_id(1)
         # SPLIT: B is block-diagonal over a packed group's members; this block of outputs belongs to
         # one member, whose R factor columns start at COL0[ob] (of h and of B)
-        r = tl.arange(0, R_PAD) + (tl.load(COL0 + ob) if SPLIT else 0)
+        c0 = tl.load(COL0 + ob) if SPLIT else 0
+        r = c0 + tl.arange(0, R_PAD)
         o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        rmask = r < R + (tl.load(COL0 + ob) if SPLIT else 0)
+        rmask = r < c0 + R
         omask = o < N_OUT
         # the active groups as in the shrink kernel; the first one's rows and block of B[g]
         # ([BLOCK_O, R_PAD]) loaded before the wait, as there

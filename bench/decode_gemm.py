@@ -184,14 +184,14 @@ def main() -> None:
             # the best few with programmatic dependent launch, and the weights' first bytes prefetched
             pdl_results = []
             if pdl.supported(torch.device("cuda")):
-                for (_, cfg), pf in itertools.product(results[:3], map(int, args.prefetch.split(","))):
-                    c = dg.Config(**{**cfg.__dict__, "prefetch": pf})
+                for (_, cfg), pf, late in itertools.product(results[:3], map(int, args.prefetch.split(",")), (False, True)):
+                    c = dg.Config(**{**cfg.__dict__, "prefetch": pf, "late_launch": late})
                     with pdl.launches(True):
                         us = graph_us([lambda x=x, W=W, c=c: dg.decode_linear(x, W, workspace=ws, cfg=c)
                                        for x, W in zip(xs, Ws)], iters=10)
                     pdl_results.append((us, c))
-                    print(f"  PDL, prefetch {pf:4} B/row, bn {c.block_n} bm {c.block_m} bk {c.block_k} split {c.split_k} "
-                          f"programs {c.programs} st {c.stages} tma {int(c.tma)}  {rate(us)}")
+                    print(f"  PDL, prefetch {pf:4} B/row, late launch {int(late)}, bn {c.block_n} bm {c.block_m} bk {c.block_k} "
+                          f"split {c.split_k} programs {c.programs} st {c.stages} tma {int(c.tma)}  {rate(us)}")
             us, cfg = min(results + pdl_results, key=lambda r: r[0])
             best[f"{name}/{M}"] = {"M": M, "N": N, "K": K, "config": cfg.__dict__, "us": us, "cublas_us": cublas,
                                    "bytes": nbytes, "speedup": cublas / us, "use": us < cublas}

@@ -146,12 +146,13 @@ def test_static_decode_through_the_decode_gemm_equals_eager(hf_models):
     assert "OK" in run_interpreted(f"PATH = {str(path)!r}\n" + ENGINE_SCRIPT, timeout=900)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_decode_gemm_compiles_for_hopper(tma):
+@pytest.mark.parametrize("tma,late", [(False, False), (True, False), (False, True)])
+def test_decode_gemm_compiles_for_hopper(tma, late):
     """Compiled for sm_90 with the weight prefetch and programmatic dependent launch: the L2
     prefetch is issued before ``griddepcontrol.wait``, the products are wgmma, and the K loop is
     pipelined (cp.async through pointers, given the 16-divisible strides a real launch specialises
-    on, or the bulk tensor copies of tensor descriptors)."""
+    on, or the bulk tensor copies of tensor descriptors). The next grid may launch right after the
+    wait, or with ``LATE_LAUNCH`` behind a run-time test in the tile loop (the last tile)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -165,7 +166,8 @@ def test_decode_gemm_compiles_for_hopper(tma):
     signature = dict(zip(names, types + descs + ["i32"] * 12))
     divisible = [i for i, n in enumerate(names) if n not in ("M", "R", "XD", "WD", "TILES_M", "PER")]
     constexprs = {"HAS_BIAS": False, "LORA": True, "HAS_ROWS": True, "BLOCK_N": 128, "BLOCK_M": 64,
-                  "BLOCK_K": 128, "R_PAD": 32, "PREFETCH": 512, "PREC": "tf32", "TMA": tma, "PDL": True}
+                  "BLOCK_K": 128, "R_PAD": 32, "PREFETCH": 512, "PREC": "tf32", "TMA": tma, "PDL": True,
+                  "LATE_LAUNCH": late}
     try:
         compiled = triton.compile(
             triton.compiler.ASTSource(fn=_decode_gemm_kernel, signature=signature, constexprs=constexprs,
@@ -176,6 +178,9 @@ def test_decode_gemm_compiles_for_hopper(tma):
     ptx = compiled.asm["ptx"]
     prefetch, wait = ptx.find("cp.async.bulk.prefetch.L2.global"), ptx.find("griddepcontrol.wait")
     assert 0 <= prefetch < wait, "the weight prefetch must be issued before the dependency wait"
+    launch = ptx.find("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.launch_dependents") == 1 and wait < launch
+    assert ("bra" in ptx[wait:launch]) == late, "the late launch is the tile loop's, the early one follows the wait"
     assert "wgmma.mma_async" in ptx
     if tma:
         assert ptx.count("cp.async.bulk.tensor") >= 2 and "cp.async.cg.shared.global" not in ptx

@@ -24,7 +24,9 @@ these sizes, mostly latency). This kernel is built for that shape:
 * **Programmatic dependent launch** (:mod:`ember.core.kernels.pdl`): the weights do not depend on
   the kernel before this one, so with ``PREFETCH`` a program first asks the copy engine to fetch
   the first ``PREFETCH`` bytes of each of its weight rows into L2 (``cp.async.bulk.prefetch.L2``),
-  and only then waits for its predecessor.
+  and only then waits for its predecessor. Its successor may launch as soon as every program has
+  passed that wait, as the small kernels allow theirs; with ``LATE_LAUNCH`` only once every program
+  has begun its last tile, so the next grid's programs do not sit on the SMs through the product.
 
 :func:`decode_linear` picks the launch configuration (:func:`config`) and checks shapes;
 :func:`supported` says where it can run. The split-K workspace (:class:`Workspace`) belongs to the
@@ -109,7 +111,7 @@ if fused.HAVE_TRITON:
         HAS_BIAS: tl.constexpr, LORA: tl.constexpr, HAS_ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
         R_PAD: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = False, LATE_LAUNCH: tl.constexpr = False,
     ):
         # The work is TILES x KI units (a tile of BLOCK_N weight rows by BLOCK_M rows, over one
         # BLOCK_K block of K); program p takes units [p · PER, (p + 1) · PER), tile by tile. A tile
@@ -129,11 +131,15 @@ if fused.HAVE_TRITON:
             )
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
-            gdc_launch_dependents()
+            if not LATE_LAUNCH:
+                gdc_launch_dependents()
         while u < u_end:
             tile = u // KI
             kb0 = u - tile * KI
             kb1 = tl.minimum(KI, kb0 + (u_end - u))
+            if PDL and LATE_LAUNCH:  # noqa: SIM102 - compile-time test around a run-time one
+                if u + (kb1 - kb0) >= u_end:  # this program's last tile: the next grid may launch
+                    gdc_launch_dependents()
             pid_m = tile % TILES_M
             pid_n = tile // TILES_M
             acc = _tile_product(X, W, XD, WD, pid_m, pid_n, kb0, kb1, M, N, stride_xm, stride_wn,
@@ -174,7 +180,8 @@ class Config:
     depth; warps; the bytes of each weight row prefetched into L2 before the dependency wait (0:
     none; the prefetch is issued only under programmatic dependent launch); and whether the tiles
     are loaded through tensor descriptors (the bulk tensor copy engine, Hopper) instead of
-    pointers."""
+    pointers; under programmatic dependent launch, whether the next grid may launch only once every
+    program has begun its last tile (``late_launch``) rather than once all have started."""
 
     block_n: int = 128
     block_m: int = 64
@@ -185,6 +192,7 @@ class Config:
     prefetch: int = 0
     tma: bool = False
     programs: int = 0
+    late_launch: bool = False
 
 
 def _layout(M: int, N: int, K: int, cfg: Config) -> tuple[int, int]:
@@ -385,7 +393,7 @@ def decode_linear(
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         R_PAD=max(16, _pow2(R)), PREFETCH=prefetch,
         PREC="ieee" if W.dtype == torch.float32 else "tf32",  # fp32: exact products, as cuBLAS without TF32
-        TMA=cfg.tma,
+        TMA=cfg.tma, LATE_LAUNCH=cfg.late_launch and opts["PDL"],
         num_warps=cfg.warps, num_stages=cfg.stages, **opts,
     )
     return y

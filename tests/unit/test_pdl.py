@@ -121,6 +121,8 @@ def test_kernel_compiles_to_the_wait_for_hopper():
                 triton.compiler.ASTSource(fn=_kv_write, signature=signature,
                                           constexprs={"BLOCK_H": 8, "BLOCK_D": 128, "PDL": on}),
                 target=GPUTarget("cuda", 90, 32), options={"launch_pdl": on})
+        except triton.compiler.errors.CompilationError:
+            raise  # our kernel does not compile: a failure, not a missing tool chain
         except Exception as e:  # noqa: BLE001 - a Triton install without its CUDA tool chain
             pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
         ptx = compiled.asm["ptx"]

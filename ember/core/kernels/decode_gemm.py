@@ -41,14 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.core.kernels import fused, pdl
+from ember.core.kernels import fused, lora_decode, pdl
 
 if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from ember.core.kernels.lora_decode import _group_rows
+    from ember.core.kernels.lora_decode import _block_groups, _group_at
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
@@ -78,7 +78,8 @@ if fused.HAVE_TRITON:
     def _finish(acc, pid_m, pid_n, Y, BIAS, H, B, OFFS, ROWS, ACTIVE, N_ACTIVE, M, N,
                 stride_ym, stride_hm, stride_bg, stride_bn, R,
                 HAS_BIAS: tl.constexpr, LORA: tl.constexpr, HAS_ROWS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
+                G_PAD: tl.constexpr):
         # the epilogue of a whole tile: bias, each row group's LoRA expand, one rounding to Y
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,17 +89,16 @@ if fused.HAVE_TRITON:
         if LORA:
             r = tl.arange(0, R_PAD)
             rmask = r < R
-            m_lo = pid_m * BLOCK_M
-            for i in range(tl.load(N_ACTIVE)):
-                g = tl.load(ACTIVE + i)
-                start, end = _group_rows(OFFS, ROWS, g, HAS_ROWS)
-                if (tl.minimum(end, m_lo + BLOCK_M) > tl.maximum(start, m_lo)) & (end > start):
-                    b_ptr = B + g.to(tl.int64) * stride_bg + n.to(tl.int64)[:, None] * stride_bn + r[None, :]
-                    b = tl.load(b_ptr, mask=nmask[:, None] & rmask[None, :], other=0.0)
-                    sel = (m >= start) & (m < end)
-                    h_ptr = H + m.to(tl.int64)[:, None] * stride_hm + r[None, :]
-                    h = tl.load(h_ptr, mask=sel[:, None] & rmask[None, :], other=0.0).to(b.dtype)
-                    acc = tl.dot(b, tl.trans(h), acc, input_precision=PREC)
+            # the groups with rows in this tile, found at once (lora_decode._block_groups)
+            j, gv, sv, ev, first, last = _block_groups(OFFS, ROWS, ACTIVE, N_ACTIVE, pid_m * BLOCK_M, BLOCK_M,
+                                                       G_PAD, HAS_ROWS)
+            for i in range(first, last + 1):
+                g, sel = _group_at(j, gv, sv, ev, i, m)
+                b_ptr = B + g.to(tl.int64) * stride_bg + n.to(tl.int64)[:, None] * stride_bn + r[None, :]
+                b = tl.load(b_ptr, mask=nmask[:, None] & rmask[None, :], other=0.0)
+                h_ptr = H + m.to(tl.int64)[:, None] * stride_hm + r[None, :]
+                h = tl.load(h_ptr, mask=sel[:, None] & rmask[None, :], other=0.0).to(b.dtype)
+                acc = tl.dot(b, tl.trans(h), acc, input_precision=PREC)
         y_ptr = Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=nmask[:, None] & (m < M)[None, :])
 
@@ -111,7 +111,7 @@ if fused.HAVE_TRITON:
         HAS_BIAS: tl.constexpr, LORA: tl.constexpr, HAS_ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
         R_PAD: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr = False,
-        PDL: tl.constexpr = False, LATE_LAUNCH: tl.constexpr = False,
+        PDL: tl.constexpr = False, LATE_LAUNCH: tl.constexpr = False, G_PAD: tl.constexpr = 2,
     ):
         # The work is TILES x KI units (a tile of BLOCK_N weight rows by BLOCK_M rows, over one
         # BLOCK_K block of K); program p takes units [p · PER, (p + 1) · PER), tile by tile. A tile
@@ -168,7 +168,7 @@ if fused.HAVE_TRITON:
             if done:
                 _finish(acc, pid_m, pid_n, Y, BIAS, H, B, OFFS, ROWS, ACTIVE, N_ACTIVE, M, N,
                         stride_ym, stride_hm, stride_bg, stride_bn, R,
-                        HAS_BIAS, LORA, HAS_ROWS, BLOCK_N, BLOCK_M, R_PAD, PREC)
+                        HAS_BIAS, LORA, HAS_ROWS, BLOCK_N, BLOCK_M, R_PAD, PREC, G_PAD)
             u += kb1 - kb0
 
 
@@ -394,6 +394,7 @@ def decode_linear(
         R_PAD=max(16, _pow2(R)), PREFETCH=prefetch,
         PREC="ieee" if W.dtype == torch.float32 else "tf32",  # fp32: exact products, as cuBLAS without TF32
         TMA=cfg.tma, LATE_LAUNCH=cfg.late_launch and opts["PDL"],
+        G_PAD=lora_decode.groups_pad(lora[2]) if lora is not None else 2,
         num_warps=cfg.warps, num_stages=cfg.stages, **opts,
     )
     return y

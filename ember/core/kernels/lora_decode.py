@@ -71,6 +71,34 @@ if fused.HAVE_TRITON:
         return start, end
 
     @triton.jit
+    def _block_groups(OFFS, ROWS, ACTIVE, N_ACTIVE, m0, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                      HAS_ROWS: tl.constexpr):
+        # the active groups with rows in [m0, m0 + BLOCK_M): positions first..last of the active
+        # list (rows are sorted by group, so they are consecutive there), with every active group's
+        # id and rows as vectors, loaded at once rather than walked group by group
+        j = tl.arange(0, G_PAD)
+        live = j < tl.load(N_ACTIVE)
+        gv = tl.load(ACTIVE + j, mask=live, other=0)
+        ev = tl.load(OFFS + gv, mask=live, other=0)
+        sv = tl.where(gv > 0, tl.load(OFFS + tl.maximum(gv - 1, 0), mask=live, other=0), 0)
+        if HAS_ROWS:
+            n = tl.load(ROWS)
+            sv = tl.minimum(sv, n)
+            ev = tl.minimum(ev, n)
+        hit = live & (ev > sv) & (ev > m0) & (sv < m0 + BLOCK_M)
+        first = tl.min(tl.where(hit, j, G_PAD), axis=0)
+        last = tl.max(tl.where(hit, j, -1), axis=0)
+        return j, gv, sv, ev, first, last
+
+    @triton.jit
+    def _group_at(j, gv, sv, ev, i, rows):
+        # entry i of _block_groups' vectors (no load): the group's id and which of ``rows`` are its
+        sel = j == i
+        start = tl.sum(tl.where(sel, sv, 0), axis=0)
+        end = tl.sum(tl.where(sel, ev, 0), axis=0)
+        return tl.sum(tl.where(sel, gv, 0), axis=0), (rows >= start) & (rows < end)
+
+    @triton.jit
     def _lora_shrink_kernel(
         X, A, H, OFFS, ROWS, ACTIVE, N_ACTIVE,
         stride_xm, stride_ag, stride_ar, stride_hm,
@@ -170,6 +198,11 @@ _TILE = 8192  # elements of the largest register tile (weights slice, rows block
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def groups_pad(offsets: torch.Tensor) -> int:
+    """``G_PAD`` of :func:`_block_groups` for these ``offsets``: the group count as a power of two."""
+    return max(2, _pow2(offsets.shape[0]))
 
 
 def _prec(t: torch.Tensor) -> str:
@@ -306,17 +339,20 @@ def lora_expand_add(
     first = 1 if skip_first else 0
     if N == 0 or G <= first or n_out == 0:
         return y
-    col0 = None
-    if splits is not None and len(splits) > 1:
+    split = splits is not None and len(splits) > 1
+    if split:
         if sum(splits) != n_out or R % len(splits):
             raise ValueError(f"lora_expand_add: splits {splits} for {n_out} outputs and {R} factor columns")
         unit = math.gcd(*splits) & -math.gcd(*splits)  # the largest power of two dividing every member
-        if unit >= 16:
-            R //= len(splits)
-            block_o = min(block_o or expand_block(n_out, R, N), unit)  # every block inside one member
-            col0 = _member_columns(tuple(splits), R, block_o, y.device)
+        split = unit >= 16  # else a block would straddle members: the whole of B
+    if split:
+        R //= len(splits)
     r_pad = max(16, _pow2(R))
     block_o = block_o or expand_block(n_out, R, N)
+    col0 = None
+    if split:
+        block_o = min(block_o, unit)  # every block inside one member
+        col0 = _member_columns(tuple(splits), R, block_o, y.device)
     block_m = _rows_block(N, r_pad)
     block_m = max(16, min(block_m, _TILE // block_o))  # the [BLOCK_M, BLOCK_O] delta tile
     gstride = min(G - first, group_programs or GROUP_PROGRAMS)

@@ -22,33 +22,14 @@ from __future__ import annotations
 import torch
 
 from ember.core.kernels import fused, pdl
-from ember.core.kernels.lora_decode import _pow2, _prec
+from ember.core.kernels.lora_decode import _pow2, _prec, groups_pad
 
 if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ember.core.kernels.lora_decode import _block_groups, _group_at
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
-
-    @triton.jit
-    def _block_groups(OFFS, ROWS, ACTIVE, N_ACTIVE, m0, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-                      HAS_ROWS: tl.constexpr):
-        # the active groups with rows in [m0, m0 + BLOCK_M): positions first..last of the active
-        # list (rows are sorted by group, so they are consecutive there), with every active group's
-        # id and rows as vectors, loaded at once rather than walked group by group
-        j = tl.arange(0, G_PAD)
-        live = j < tl.load(N_ACTIVE)
-        gv = tl.load(ACTIVE + j, mask=live, other=0)
-        ev = tl.load(OFFS + gv, mask=live, other=0)
-        sv = tl.where(gv > 0, tl.load(OFFS + tl.maximum(gv - 1, 0), mask=live, other=0), 0)
-        if HAS_ROWS:
-            n = tl.load(ROWS)
-            sv = tl.minimum(sv, n)
-            ev = tl.minimum(ev, n)
-        hit = live & (ev > sv) & (ev > m0) & (sv < m0 + BLOCK_M)
-        first = tl.min(tl.where(hit, j, G_PAD), axis=0)
-        last = tl.max(tl.where(hit, j, -1), axis=0)
-        return j, gv, sv, ev, first, last
 
     @triton.jit
     def _swiglu_lora(
@@ -81,9 +62,7 @@ if fused.HAVE_TRITON:
         u = tl.load(gu_ptr + I, mask=tile, other=0.0).to(tl.float32)
         if HAS_GU:
             for i in range(first, last + 1):
-                sel = j == i  # entry i of the vectors, without a load
-                grp = tl.sum(tl.where(sel, gv, 0), axis=0)
-                mine = (rows >= tl.sum(tl.where(sel, sv, 0), axis=0)) & (rows < tl.sum(tl.where(sel, ev, 0), axis=0))
+                grp, mine = _group_at(j, gv, sv, ev, i, rows)
                 h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
                 hmask = mine[:, None] & rmask[None, :]
                 b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
@@ -102,9 +81,7 @@ if fused.HAVE_TRITON:
         tl.store(ACT + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=tile)
         if HAS_DOWN:
             for i in range(first, last + 1):
-                sel = j == i  # entry i of the vectors, without a load
-                grp = tl.sum(tl.where(sel, gv, 0), axis=0)
-                mine = (rows >= tl.sum(tl.where(sel, sv, 0), axis=0)) & (rows < tl.sum(tl.where(sel, ev, 0), axis=0))
+                grp, mine = _group_at(j, gv, sv, ev, i, rows)
                 a_ptr = AD + (grp + tl.zeros([], tl.int64)) * stride_ag + rd[:, None] * stride_ar + cols[None, :]
                 a = tl.load(a_ptr, mask=rdmask[:, None] & cmask[None, :], other=0.0)
                 x = tl.where(mine[:, None], act, 0.0).to(a.dtype)
@@ -162,7 +139,7 @@ def swiglu_lora(
         N, I, R, RD,
         HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
         BLOCK_M=block_m, BLOCK_K=BLOCK_K, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
-        PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=max(2, _pow2(offsets.shape[0])), num_warps=8,
+        PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=groups_pad(offsets), num_warps=8,
         **pdl.options(),
     )
     return act

@@ -160,18 +160,25 @@ ENGINE_SCRIPT = textwrap.dedent(
             return real[grid]
     swiglu_decode._swiglu_lora = Counting()
 
+    forks = []  # the side stream's waits (lora_stream: the shrinks queued on it)
+    real_wait = torch.cpu.Stream.wait_stream
+    torch.cpu.Stream.wait_stream = lambda self, other: forks.append(self) or real_wait(self, other)
     results = []
-    for static in (False, True):
-        worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=static))
+    for static, side in ((False, False), (True, False), (True, True)):
+        config = SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=static, lora_stream=side)
+        worker = _worker(PATH, config)
         slots = _adapters(worker, CONFIGS)
         reqs = _mixed_requests(slots)
         reqs[1] = dataclasses.replace(reqs[1], slot=0)
         results.append(worker.sample(reqs))
+        if side:
+            assert worker.sampler.static.side in forks, "no shrink went to the side stream"
     assert launches, "the static decoder never ran the SwiGLU kernel"
-    for a, b in zip(*results):
-        assert _tokens(a) == _tokens(b)
-        for x, y in zip(a.sequences, b.sequences):
-            np.testing.assert_allclose(y.logprobs, x.logprobs, atol=1e-5, rtol=0)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert _tokens(a) == _tokens(b)
+            for x, y in zip(a.sequences, b.sequences):
+                np.testing.assert_allclose(y.logprobs, x.logprobs, atol=1e-5, rtol=0)
     print("OK", len(launches))
     """
 )
@@ -180,6 +187,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 def test_static_decode_through_the_kernels_equals_eager(hf_models):
     """The whole static decode step on the Triton path (under the interpreter: the LoRA shrink and
     expand, the SwiGLU kernel, the KV write, the fused norms) gives the eager decoder's tokens and
-    logprobs, with three adapters (one without MLP LoRA) and a base-model row in the same steps."""
+    logprobs, with three adapters (one without MLP LoRA) and a base-model row in the same steps;
+    so does it with the shrinks queued on a side stream (``lora_stream``)."""
     _, path = hf_models["qwen3"]
     assert "OK" in run_interpreted(f"PATH = {str(path)!r}\n" + ENGINE_SCRIPT, timeout=900)

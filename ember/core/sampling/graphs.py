@@ -13,7 +13,9 @@ every pointer fixed, so this decoder
   GEMM. One graph thus serves any mix of adapters, and a configured-but-unused slot is an empty
   group: no work;
 * with ``dependent_launch``, on Hopper, launches the step's small Triton kernels with programmatic
-  dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`).
+  dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`);
+* with ``lora_stream``, queues the LoRA shrinks on a second stream, each beside the base product
+  of the same input (:class:`~ember.core.sampling.static_route.StaticRoute`, ``side``).
 
 Routed experts keep their grouped products (routing, sort and group ends stay on the device, so
 they capture too); their LoRA factors are stacked per expert group (one per slot with expert LoRA,
@@ -109,6 +111,7 @@ class StaticDecoder:
         states: RecurrentStateStore | None = None,
         dependent_launch: bool = False,
         decode_gemm: bool = False,
+        lora_stream: bool = False,
     ):
         self.model = model
         self.cache = cache
@@ -134,6 +137,8 @@ class StaticDecoder:
         self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
         # the step's small Triton kernels launched programmatically dependent (Hopper; kernels.pdl)
         self.dependent_launch = dependent_launch and pdl.supported(cache.device)
+        # a second stream for the LoRA shrinks, beside the base products (StaticRoute's ``side``)
+        self.side = torch.get_device_module(cache.device).Stream() if lora_stream else None
         # the decode GEMM's split-K workspace, for every bucket's rows and the widest dense product
         self.gemm = None
         if decode_gemm and fused.use_triton(torch.empty(0, device=cache.device)):
@@ -272,7 +277,7 @@ class StaticDecoder:
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
-                            rows=buf.positions.shape[0], gemm=self.gemm)
+                            rows=buf.positions.shape[0], gemm=self.gemm, side=self.side)
         if use_lora and fused.use_triton(buf.offsets):
             # the active-group list at the step's start: the LoRA kernels read it before their
             # grid-dependency wait (kernels.pdl, "read early"), so no kernel close before them may write it
@@ -299,6 +304,7 @@ class StaticDecoder:
             logits = chunk_logits(hidden, weight, [], 0, hidden.shape[0])
         if use_lora:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
+        route.join()  # nothing stays on the side stream past the step (a capture must end joined)
         logits = gather_vocab(logits, vocab)
         # every row's plain draw and its logprob, in the graph (one kernel); the engine uses the rows
         # whose parameters are plain (see DecodeBatch.inv_temperature)

@@ -757,7 +757,7 @@ def check_swiglu_lora() -> None:
     MLP (intermediate 12,288, rank 32): agreement, and the GPU time of each over 36 layers' stacks
     in a CUDA graph, at 64 rows of one adapter and 256 rows of eight."""
     from ember.core.kernels import lora_decode as ld
-    from ember.core.kernels.swiglu_decode import swiglu_lora
+    from ember.core.kernels.swiglu_decode import swiglu_config, swiglu_lora
     from ember.core.layers.activations import silu_mul
 
     I, R, layers = 12288, 32, 36
@@ -800,6 +800,21 @@ def check_swiglu_lora() -> None:
         t_one = graph_us([lambda a=a: one(*a) for a in stacks], iters=10) * layers
         print(f"  {N} rows over {busy} adapter(s), 36 layers: one kernel {t_one:.0f} us per step, "
               f"the three kernels (with h zeroing) {t_three:.0f} us")
+        # the launch shapes (rows a block, intermediate columns a program), against the default
+        default = swiglu_config(N)
+        for cfg in [(bm, bk) for bm in (16, 32, 64) for bk in (64, 128, 256) if bm <= max(16, N)]:
+            def one_cfg(gu, h_gu, B, A_d, h_d, cfg=cfg, offs=offs, n_rows=n_rows, active=active):
+                return swiglu_lora(gu, offs, active, n_rows, (h_gu, B), (A_d, h_d.zero_()), config=cfg)
+            try:
+                act = one_cfg(gu, h_gu, B, A_d, h_d)
+                t = graph_us([lambda a=a: one_cfg(*a) for a in stacks], iters=10) * layers
+            except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
+                print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}: failed, {type(e).__name__}: {e}")
+                continue
+            report(f"swiglu_lora {N} rows {cfg}, act vs the three kernels", rel(act, want_act), 1e-2)
+            report(f"swiglu_lora {N} rows {cfg}, h_down vs the three kernels", rel(h_d, want_h), 1e-3)
+            mark = "  (default)" if cfg == default else ""
+            print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}: {t:6.0f} us per step{mark}")
 
 
 def check_sampling() -> None:

@@ -93,6 +93,12 @@ if fused.HAVE_TRITON:
 BLOCK_K = 128  # intermediate columns per program: the down shrink's split (lora_decode.shrink_config's)
 
 
+def swiglu_config(n_rows: int) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_K)`` of the launch: every row of a step up to 64 in one block, and
+    :data:`BLOCK_K` columns a program (``bench/gpu_checks.py swiglu_lora`` times the others)."""
+    return max(16, min(64, _pow2(n_rows))), BLOCK_K
+
+
 def swiglu_lora(
     gu: torch.Tensor,
     offsets: torch.Tensor,
@@ -100,6 +106,7 @@ def swiglu_lora(
     n_rows: torch.Tensor | None = None,
     gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     down: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``act = silu(g) · u`` of the packed ``gu = [g | u]`` (``[N, 2·I]``, unit stride along
     columns) -> ``[N, I]``, with LoRA on either side:
@@ -111,7 +118,8 @@ def swiglu_lora(
       ``[N, r_d]`` that receives ``act @ A_down[g].T`` for each row's group ``g``.
 
     Groups as :func:`~ember.core.kernels.lora_decode.lora_shrink` takes them (``offsets``,
-    ``n_rows``, and ``active`` from :func:`~ember.core.kernels.lora_decode.active_groups`)."""
+    ``n_rows``, and ``active`` from :func:`~ember.core.kernels.lora_decode.active_groups`).
+    ``config``: ``(BLOCK_M, BLOCK_K)`` instead of :func:`swiglu_config`'s (the check sweeps them)."""
     N, two_i = gu.shape
     I = two_i // 2  # the intermediate width
     if gu.stride(-1) != 1 or two_i % 2:
@@ -130,15 +138,15 @@ def swiglu_lora(
                              or A_d.stride(-1) != 1 or h_d.stride(-1) != 1):
         raise ValueError(f"swiglu_lora: down stack {tuple(A_d.shape)}, h {tuple(h_d.shape)} for gu {tuple(gu.shape)}")
     ids, count = active
-    block_m = max(16, min(64, _pow2(N)))
-    _swiglu_lora[(triton.cdiv(I, BLOCK_K), triton.cdiv(N, block_m))](
+    block_m, block_k = config or swiglu_config(N)
+    _swiglu_lora[(triton.cdiv(I, block_k), triton.cdiv(N, block_m))](
         gu, h_gu, B_gu, A_d, h_d, act, offsets, n_rows if n_rows is not None else offsets, ids, count,
         gu.stride(0), h_gu.stride(0), B_gu.stride(0) if gate_up is not None else 0,
         B_gu.stride(1) if gate_up is not None else 0, A_d.stride(0) if down is not None else 0,
         A_d.stride(1) if down is not None else 0, h_d.stride(0) if down is not None else 0, act.stride(0),
         N, I, R, RD,
         HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
-        BLOCK_M=block_m, BLOCK_K=BLOCK_K, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
+        BLOCK_M=block_m, BLOCK_K=block_k, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
         PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=groups_pad(offsets), num_warps=8,
         **pdl.options(),
     )

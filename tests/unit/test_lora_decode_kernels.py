@@ -221,6 +221,30 @@ SCRIPT = textwrap.dedent(
     route.join()
     assert log == ["fork", ("shrink", True), "product", "join", "expand",
                    "fork", ("shrink", True), "join", "expand"], log
+    # a late module ("o"): shrink and expand both on the side stream, the expand into the late
+    # buffer; the product comes back bare and late_part gives its delta once, which add_late adds
+    log.clear()
+    buf = torch.zeros(13 * 300 + 7)
+    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32), packed, side=side,
+                        late=frozenset({"o"}), late_buffer=buf)
+    bare = route.linear("o", xf, W, None)
+    assert log == ["fork", ("shrink", True), "expand", "join"], log
+    check("late o, bare", bare, xf @ W.T, 1e-6)
+    late = route.late_part(bare)
+    assert late is not None and route.late_part(bare) is None and late.data_ptr() == buf.data_ptr()
+    from ember.core.layers.norms import add_late
+    res = torch.randn(13, 300)
+    with torch.no_grad():
+        full = add_late(res, bare, late)
+    check("late o, added", (full - res)[:11], (xf @ W.T + ld.lora_delta_torch(xf, A, B, offs))[:11], 1e-5)
+    assert not buf.any()  # left at zero
+    route.finish()
+    route.linear("o", xf, W, None)  # a late part nobody takes fails the step
+    try:
+        route.finish()
+        raise AssertionError("an untaken late part passed")
+    except RuntimeError as e:
+        assert "never added" in str(e)
     torch.cpu.Stream.wait_stream, ld.lora_shrink, ld.lora_expand_add = real_wait, real_shrink, real_expand
 
     # base only (no adapters in the batch)

@@ -161,6 +161,10 @@ ENGINE_SCRIPT = textwrap.dedent(
     swiglu_decode._swiglu_lora = Counting()
 
     forks = []  # the side stream's waits (lora_stream: the shrinks queued on it)
+    from ember.core.sampling.static_route import StaticRoute
+    taken = []  # late LoRA deltas the layers' residual adds took
+    real_late = StaticRoute.late_part
+    StaticRoute.late_part = lambda self, y: (lambda d: taken.append(d is not None) or d)(real_late(self, y))
     real_wait = torch.cpu.Stream.wait_stream
     torch.cpu.Stream.wait_stream = lambda self, other: forks.append(self) or real_wait(self, other)
     results = []
@@ -173,6 +177,10 @@ ENGINE_SCRIPT = textwrap.dedent(
         results.append(worker.sample(reqs))
         if side:
             assert worker.sampler.static.side in forks, "no shrink went to the side stream"
+            # every layer's o_proj and (dense MLP) down_proj delta went to the residual adds late
+            assert len(worker.sampler.static.late) == 2 * len(worker.model.model.layers), worker.sampler.static.late
+            assert not worker.sampler.static.late_buffer.any()
+            assert sum(taken) > 0, "no late delta was taken"
     assert launches, "the static decoder never ran the SwiGLU kernel"
     for other in results[1:]:
         for a, b in zip(results[0], other):

@@ -264,7 +264,15 @@ class StaticRoute:
     it, after everything queued so far on the current stream, so it runs beside the base product
     queued next instead of before it; the first use of its ``h`` makes the current stream wait for
     the side stream (:meth:`join`), so the expand still follows both. Within a captured graph the
-    fork and the join are two edges. The caller joins before the step ends (a capture must)."""
+    fork and the join are two edges. The caller joins before the step ends (a capture must).
+
+    ``late`` (module names) and ``late_buffer`` (fp32, zero, at least rows × those modules' width):
+    with a side stream, such a module's shrink *and* expand run on it, the expand into the buffer,
+    beside the base product; the module returns the bare product, and its layer passes
+    :meth:`late_part` of it to the residual add that consumes it, which adds the delta (rounded
+    once, as the expand would have) and leaves the buffer at zero (``norms.add_late``,
+    ``RMSNorm.add``). A layer names these modules in ``late_lora_modules``; a late part nobody
+    took fails the step (:meth:`join`)."""
 
     def __init__(
         self,
@@ -276,6 +284,8 @@ class StaticRoute:
         rows: int | None = None,
         gemm: decode_gemm.Workspace | None = None,
         side: torch.Stream | None = None,
+        late: frozenset[str] = frozenset(),
+        late_buffer: torch.Tensor | None = None,
     ):
         self.stacks = stacks
         self.offsets = offsets
@@ -292,6 +302,9 @@ class StaticRoute:
         self._active: tuple[torch.Tensor, torch.Tensor] | None = None
         self.side = side
         self._forked: torch.device | None = None  # a shrink's device, queued on the side stream, not joined
+        self.late = late
+        self.late_buffer = late_buffer
+        self._late: tuple[torch.Tensor, torch.Tensor] | None = None  # (bare product, its delta) not taken yet
 
     @property
     def active(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,10 +333,50 @@ class StaticRoute:
         return lora_decode.triton_ok(*tensors) and fused.use_triton(self.offsets)
 
     def join(self) -> None:
-        """Make the current stream wait for the shrink queued on the side stream, if any."""
+        """Make the current stream wait for the work queued on the side stream, if any."""
         if self._forked is not None:
             device, self._forked = self._forked, None
             torch.get_device_module(device).current_stream(device).wait_stream(self.side)
+
+    def finish(self) -> None:
+        """The step's end: :meth:`join`, and fail if a late LoRA delta was never taken (a layer
+        named a module in ``late_lora_modules`` whose output it did not pass to ``late_part``)."""
+        self.join()
+        if self._late is not None:
+            raise RuntimeError("a product's late LoRA delta was never added (late_lora_modules and the layer disagree)")
+
+    def late_part(self, y: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA delta left apart for product ``y`` (fp32, ``y``'s shape; see the class doc), once."""
+        if self._late is None or self._late[0] is not y:
+            return None
+        late, self._late = self._late[1], None
+        return late
+
+    def _late_linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     st: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """Module ``name``'s bare product, its LoRA delta computed beside it on the side stream into
+        the late buffer (:meth:`late_part`); None where that does not apply (no side stream or
+        buffer, off the Triton path, no room, a late part still untaken)."""
+        A, B = st
+        key, j = self.stacks.member[name]
+        n, width = x.shape[0], B.shape[1]
+        if (self.side is None or self.late_buffer is None or n * width > self.late_buffer.numel()
+                or self._late is not None or x.dim() != 2 or not self._triton(x, A, B)):
+            return None
+        if self._h_of(key, x) is None and not self._room(n, self.stacks.fused[key][0].shape[1], x.device):
+            return None
+        self.join()
+        late = self.late_buffer[: n * width].view(n, width)
+        device = torch.get_device_module(x.device)
+        self.side.wait_stream(device.current_stream(x.device))
+        with device.stream(self.side):
+            R = self.stacks.rank
+            self._expand(late, self._group_h(key, x, True)[:, j * R : (j + 1) * R], B, True)
+        self._forked = x.device
+        y = F.linear(x, weight, bias)
+        self.join()
+        self._late = (y, late)
+        return y
 
     def _start_h(self, key: str, x: torch.Tensor, triton: bool) -> None:
         """Queue group ``key``'s shrink of ``x`` on the side stream, to run beside the product the
@@ -419,6 +472,10 @@ class StaticRoute:
             if self._gemm_ok(x, weight, B):
                 key, j = self.stacks.member[name] if st is not None else (name, 0)
                 return self._gemm(key, j, x, weight, bias, B)
+            if st is not None and name in self.late:
+                y = self._late_linear(name, x, weight, bias, st)
+                if y is not None:
+                    return y
             if st is not None:
                 self._start_h(self.stacks.member[name][0], x, self._triton(x, *st))
             return self.add_delta(name, x, F.linear(x, weight, bias))

@@ -1044,7 +1044,7 @@ def _decoder_variants(label: str, variants: list[tuple[str, dict]]) -> None:
 
     def sample(options: dict):
         config = SamplerConfig(max_seqs=64, kv_tokens=64 * 128, static_decode=True, cuda_graphs=True,
-                               **{"dependent_launch": False, "decode_gemm": False, "lora_stream": False, **options})
+                               **{"dependent_launch": False, "decode_gemm": False, **options})
         engine = SamplingEngine(model, bank, config, max_seq_len=128)
         assert engine.static is not None
         reqs = [GenerationRequest(p, 64, [7 + i], slot=slots[i % 3], temperature=1.0, stop=StopRule())
@@ -1092,18 +1092,6 @@ def check_decode_gemm_decode() -> None:
     _decoder_variants("decode GEMM", variants)
 
 
-def check_lora_stream_decode() -> None:
-    """The LoRA shrinks on a side stream (``SamplerConfig.lora_stream``) in the static decoder
-    (:func:`_decoder_variants`), alone and with programmatic dependent launch. An expand that ran
-    before its shrink finished would read a partial ``h``: logprobs far beyond the noise."""
-    from ember.core.kernels import pdl
-
-    variants = [("base again", {}), ("side stream", {"lora_stream": True})]
-    if pdl.supported(torch.device("cuda")):
-        variants.append(("side stream + dependent launch", {"lora_stream": True, "dependent_launch": True}))
-    _decoder_variants("lora stream", variants)
-
-
 CHECKS = {
     "gdn": lambda: check_gdn(),
     "sampling": lambda: check_sampling(),
@@ -1124,7 +1112,6 @@ CHECKS = {
     "pdl": lambda: check_pdl(),
     "pdl_decode": lambda: check_pdl_decode(),
     "decode_gemm": lambda: check_decode_gemm_decode(),
-    "lora_stream": lambda: check_lora_stream_decode(),
     "swiglu_lora": lambda: check_swiglu_lora(),
     "mixed": lambda: check_mixed(),
     "rebuild": lambda: check_rebuild(),

@@ -171,7 +171,6 @@ def run_ember(
     overlap: bool = True,
     dependent_launch: bool = SamplerConfig.dependent_launch,
     decode_gemm: bool = SamplerConfig.decode_gemm,
-    lora_stream: bool = SamplerConfig.lora_stream,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -189,7 +188,6 @@ def run_ember(
         overlap_decode=overlap,
         dependent_launch=dependent_launch,
         decode_gemm=decode_gemm,
-        lora_stream=lora_stream,
     )
     sync()
     t_start = time.perf_counter()
@@ -437,9 +435,6 @@ def main() -> None:
                          "<workload>+gemm or <workload>+cublas)")
     ap.add_argument("--gemm-configs", type=Path, default=None,
                     help="decode GEMM launch choices measured by bench/decode_gemm.py --out (its decode_gemm.json)")
-    ap.add_argument("--lora-stream", default=str(int(SamplerConfig.lora_stream)),
-                    help="SamplerConfig.lora_stream (0/1; the LoRA shrinks on a second stream beside the base "
-                         "products); a comma list as for --dependent-launch (names <workload>+side or <workload>+inline)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="a-par: processes (GPUs)")
     ap.add_argument("--ep", type=int, default=1, help="a-par: expert-parallel degree")
@@ -466,16 +461,13 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    # one variant per (--dependent-launch, --decode-gemm, --lora-stream) choice; the first keeps the
-    # workloads' names
-    variants = [{"dependent_launch": bool(int(dl)), "decode_gemm": bool(int(g)), "lora_stream": bool(int(st))}
-                for dl in args.dependent_launch.split(",") for g in args.decode_gemm.split(",")
-                for st in args.lora_stream.split(",")]
+    # one variant per (--dependent-launch, --decode-gemm) pair; the first keeps the workloads' names
+    variants = [{"dependent_launch": bool(int(dl)), "decode_gemm": bool(int(g))}
+                for dl in args.dependent_launch.split(",") for g in args.decode_gemm.split(",")]
     current = dict(variants[0])
 
     def suffix(v: dict) -> str:
-        names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm"),
-                 "lora_stream": ("+inline", "+side")}
+        names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm")}
         return "".join(names[k][v[k]] for k in names if v[k] != variants[0][k])
 
     def ember(*a, **k):

@@ -58,7 +58,7 @@ def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool |
         cuda_graphs=graphs,
         static_decode=static,
         overlap_decode=overlap,
-        **options,  # dependent_launch, decode_gemm, lora_stream
+        **options,  # dependent_launch, decode_gemm
     )
     return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
 
@@ -277,8 +277,6 @@ def main() -> None:
     ap.add_argument("--bank-slots", type=int, default=None, help="steps: adapter bank slots (default --adapters)")
     ap.add_argument("--decode-gemm", type=int, choices=(0, 1), default=int(SamplerConfig.decode_gemm),
                     help="steps: SamplerConfig.decode_gemm (Ember's decode GEMM for the dense products)")
-    ap.add_argument("--lora-stream", type=int, choices=(0, 1), default=int(SamplerConfig.lora_stream),
-                    help="steps: SamplerConfig.lora_stream (the LoRA shrinks on a second stream)")
     ap.add_argument("--gemm-configs", type=Path, default=None,
                     help="steps: decode GEMM launch choices measured by bench/decode_gemm.py --out")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -296,8 +294,7 @@ def main() -> None:
 
             decode_gemm.load_tuned(args.gemm_configs)
         r = step_breakdown(model, prompts, args.new, args.rank, args.adapters, args.bank_slots,
-                           dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm),
-                           lora_stream=bool(args.lora_stream))
+                           dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm))
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "gemm" in only:

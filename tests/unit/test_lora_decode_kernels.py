@@ -202,51 +202,6 @@ SCRIPT = textwrap.dedent(
     mlp.up_proj.weight.data = W[:200].clone() * 2
     k2 = route.linear("k", xf, mlp.up_proj.weight, None)
     check("unpacked k", k2[:11], (xf @ (2 * W[:200]).T + ld.lora_delta_torch(xf, 0.5 * A, B_k, offs))[:11], 1e-5)
-    # a side stream (SamplerConfig.lora_stream; the CPU's streams order nothing, but the calls are
-    # the same): each shrink is queued on it before the product, the expand follows the join
-    log = []
-    side = torch.cpu.Stream()
-    real_wait, real_expand, real_product = torch.cpu.Stream.wait_stream, ld.lora_expand_add, packed.product
-    torch.cpu.Stream.wait_stream = lambda self, other: log.append("fork" if self is side else "join") or real_wait(self, other)
-    ld.lora_shrink = lambda *a, **k: log.append(("shrink", torch.cpu.current_stream() is side)) or real_shrink(*a, **k)
-    ld.lora_expand_add = lambda *a, **k: log.append("expand") or real_expand(*a, **k)
-    packed.product = lambda key, x: log.append("product") or real_product(key, x)
-    mlp.up_proj.weight.data = W[:200].clone()  # the packed view again
-    packed = PackedLinears(types.SimpleNamespace(modules=lambda: [mlp]))
-    packed.product = lambda key, x: log.append("product") or real_product(key, x)
-    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32), packed, side=side)
-    check("side q", route.linear("q", xf, mlp.gate_proj.weight, None)[:11], q[:11], 1e-6)
-    check("side k", route.linear("k", xf, mlp.up_proj.weight, None)[:11], k[:11], 1e-6)
-    check("side o", route.linear("o", xf, W, None)[:11], (xf @ W.T + ld.lora_delta_torch(xf, A, B, offs))[:11], 1e-5)
-    route.join()
-    assert log == ["fork", ("shrink", True), "product", "join", "expand",
-                   "fork", ("shrink", True), "join", "expand"], log
-    # a late module ("o"): shrink and expand both on the side stream, the expand into the late
-    # buffer; the product comes back bare and late_part gives its delta once, which add_late adds
-    log.clear()
-    buf = torch.zeros(13 * 300 + 7)
-    route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32), packed, side=side,
-                        late=frozenset({"o"}), late_buffer=buf)
-    bare = route.linear("o", xf, W, None)
-    assert log == ["fork", ("shrink", True), "expand", "join"], log
-    check("late o, bare", bare, xf @ W.T, 1e-6)
-    late = route.late_part(bare)
-    assert late is not None and route.late_part(bare) is None and late.data_ptr() == buf.data_ptr()
-    from ember.core.layers.norms import add_late
-    res = torch.randn(13, 300)
-    with torch.no_grad():
-        full = add_late(res, bare, late)
-    check("late o, added", (full - res)[:11], (xf @ W.T + ld.lora_delta_torch(xf, A, B, offs))[:11], 1e-5)
-    assert not buf.any()  # left at zero
-    route.finish()
-    route.linear("o", xf, W, None)  # a late part nobody takes fails the step
-    try:
-        route.finish()
-        raise AssertionError("an untaken late part passed")
-    except RuntimeError as e:
-        assert "never added" in str(e)
-    torch.cpu.Stream.wait_stream, ld.lora_shrink, ld.lora_expand_add = real_wait, real_shrink, real_expand
-
     # base only (no adapters in the batch)
     route = StaticRoute(st, offs, torch.tensor([11], dtype=torch.int32), packed, lora=False)
     check("packed q, base only", route.linear("q", xf, mlp.gate_proj.weight, None), xf @ W.T, 1e-6)

@@ -38,32 +38,9 @@ if HAVE_TRITON:
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _take_late(L, mask, r, dtype: tl.constexpr):
-        """``round(r + late)`` to ``dtype`` (fp32 out) for the late LoRA part at ``L``, which is
-        left at zero for its next use (:func:`add_late`)."""
-        late = tl.load(L, mask=mask, other=0.0)
-        tl.store(L, tl.zeros_like(late), mask=mask)
-        return (r + late).to(dtype).to(tl.float32)
-
-    @triton.jit
-    def _add_late(X, R, L, S, stride_x, stride_r, stride_l, stride_s, n_cols, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr = False):
-        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
-            gdc_wait()
-            gdc_launch_dependents()
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        r = _take_late(L + row * stride_l + cols, mask, r, R.dtype.element_ty)
-        tl.store(S + row * stride_s + cols, (x + r).to(S.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, ZERO_CENTRED: tl.constexpr,
                      FP32_PRODUCT: tl.constexpr, BLOCK: tl.constexpr,
                      R=None, S=None, stride_r=0, stride_s=0, HAS_RES: tl.constexpr = False,
-                     L=None, stride_l=0, HAS_LATE: tl.constexpr = False,
                      PDL: tl.constexpr = False):
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
@@ -74,8 +51,6 @@ if HAVE_TRITON:
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:  # normalise s = x + r, rounded to the input dtype (as the add would), and store s
             r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_LATE:  # r's late LoRA part (fp32, left at zero): the expand kernel's one rounding
-                r = _take_late(L + row * stride_l + cols, mask, r, R.dtype.element_ty)
             s = (x + r).to(S.dtype.element_ty)
             tl.store(S + row * stride_s + cols, s, mask=mask)
             x = s.to(tl.float32)
@@ -354,18 +329,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rmsnorm_launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, fp32_product: bool,
-                    r2: torch.Tensor | None = None, late2: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    r2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The forward kernel over rows ``x2``: ``(y, rstd, s)``; with ``r2``, of ``s = x2 + r2`` (else
-    ``s`` is None), and with ``late2`` of ``r2``'s late LoRA part added first (:func:`add_late`).
-    ``fp32_product`` already includes ``zero_centred``."""
+    ``s`` is None). ``fp32_product`` already includes ``zero_centred``."""
     n_rows, n_cols = x2.shape
     y = torch.empty_like(x2, dtype=x2.dtype if fp32_product else torch.promote_types(x2.dtype, weight.dtype))
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     s = torch.empty_like(x2) if r2 is not None else None
     res = dict(R=r2, S=s, stride_r=r2.stride(0), stride_s=s.stride(0), HAS_RES=True) if r2 is not None else {}
-    if late2 is not None:
-        res.update(L=late2, stride_l=late2.stride(0), HAS_LATE=True)
     block = triton.next_power_of_2(n_cols)
     _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps,
                             ZERO_CENTRED=zero_centred, FP32_PRODUCT=fp32_product, BLOCK=block,
@@ -406,39 +377,11 @@ class RMSNormFn(torch.autograd.Function):
 
 
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
-                 fp32_product: bool = False, late: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r`` and RMSNorm(s) in one kernel, without gradient (the sampler's passes): the
-    values of the add followed by :class:`RMSNormFn`, bit for bit (``x``, ``r`` one dtype).
-    ``late``: ``r``'s late LoRA part, added to ``r`` first (:func:`add_late`)."""
-    r2 = _rows(r)
-    late2 = _late_rows(late, r2) if late is not None else None
-    y, _, s = _rmsnorm_launch(_rows(x), weight, eps, zero_centred, fp32_product or zero_centred, r2, late2)
+    values of the add followed by :class:`RMSNormFn`, bit for bit (``x``, ``r`` one dtype)."""
+    y, _, s = _rmsnorm_launch(_rows(x), weight, eps, zero_centred, fp32_product or zero_centred, _rows(r))
     return s.view(x.shape), y.view(x.shape)
-
-
-def _late_rows(late: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
-    """``late`` as rows (a view: the kernels zero it in place)."""
-    late2 = late.view(-1, late.shape[-1]) if late.is_contiguous() else None
-    if late2 is None or late2.shape != r2.shape or late.dtype != torch.float32:
-        raise ValueError(f"late LoRA part: a contiguous fp32 {tuple(r2.shape)} expected, "
-                         f"got {late.dtype} {tuple(late.shape)} (contiguous: {late.is_contiguous()})")
-    return late2
-
-
-def add_late(x: torch.Tensor, r: torch.Tensor, late: torch.Tensor) -> torch.Tensor:
-    """``x + round(r + late)`` in one kernel, without gradient: a residual add whose branch output
-    ``r`` still lacks its LoRA delta ``late`` (fp32, ``r``'s shape; computed beside the product, see
-    :class:`~ember.core.sampling.static_route.StaticRoute`), rounded once to ``r``'s dtype as the
-    expand kernel would have. ``late`` is left at zero (the next layer's delta accumulates into
-    it)."""
-    x2, r2 = _rows(x), _rows(r)
-    late2 = _late_rows(late, r2)
-    s = torch.empty_like(x2)
-    n_rows, n_cols = x2.shape
-    block = triton.next_power_of_2(n_cols)
-    _add_late[(n_rows,)](x2, r2, late2, s, x2.stride(0), r2.stride(0), late2.stride(0), s.stride(0), n_cols,
-                         BLOCK=block, num_warps=min(8, max(1, block // 256)), **pdl.options())
-    return s.view(x.shape)
 
 
 def _gated_rows(x: torch.Tensor) -> int:

@@ -167,11 +167,6 @@ class LoraRoute:
         decoder's route does): never here, each module is its own product."""
         return False
 
-    def late_part(self, y: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA delta of product ``y`` that the route left for its consumer to add (the static
-        decoder's does, for the modules a layer names in ``late_lora_modules``): never here."""
-        return None
-
     def swiglu(self, mlp, x: torch.Tensor) -> torch.Tensor | None:
         """A SwiGLU block's activation computed by the route (the static decoder's does, in one
         kernel with its LoRA work): never here, the block runs its three modules."""
@@ -223,13 +218,6 @@ class LoraRoute:
         A_pairs = torch.stack(As, dim=1).reshape(num_experts * G, rank, -1)
         B_pairs = torch.stack(Bs, dim=1).reshape(num_experts * G, -1, rank)
         return A_pairs, B_pairs, scales
-
-
-def late_part(lora: LoraRoute | None, y: torch.Tensor) -> torch.Tensor | None:
-    """``lora.late_part(y)``, None without a route: what a layer passes to the consumer of a module
-    it names in ``late_lora_modules`` (:func:`~ember.core.layers.norms.add_late`,
-    :meth:`~ember.core.layers.norms.RMSNorm.add`)."""
-    return lora.late_part(y) if lora is not None else None
 
 
 class LoraLinear(nn.Module):

@@ -57,34 +57,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 
 
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False,
-                 fp32_product: bool = False, late: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + r, rms_norm(x + r))``: a pre-norm block's residual add and the next norm. In a pass
     without gradients on the GPU (the sampler's) one kernel does both (a decode layer's launch
-    fewer; the same values). ``late``: ``r``'s LoRA delta still to add (:func:`add_late`)."""
+    fewer; the same values)."""
     if not torch.is_grad_enabled() and x.dtype == r.dtype and x.shape == r.shape and fused.use_triton(x, r, weight):
-        return fused.add_rms_norm(x, r, weight, eps, zero_centred, fp32_product, late)
-    s = x + _with_late(r, late)
+        return fused.add_rms_norm(x, r, weight, eps, zero_centred, fp32_product)
+    s = x + r
     return s, rms_norm(s, weight, eps, zero_centred, fp32_product)
-
-
-def add_late(x: torch.Tensor, r: torch.Tensor, late: torch.Tensor | None) -> torch.Tensor:
-    """``x + r`` for a branch output ``r`` whose LoRA delta may still be apart: ``late``, from the
-    route (:func:`~ember.core.layers.lora.late_part`; None when it is in ``r`` already), fp32, left
-    at zero once added. With it, one kernel on the GPU (:func:`~ember.core.kernels.fused.add_late`)."""
-    if late is None:
-        return x + r
-    if not torch.is_grad_enabled() and x.dtype == r.dtype and x.shape == r.shape and fused.use_triton(x, r, late):
-        return fused.add_late(x, r, late)
-    return x + _with_late(r, late)
-
-
-def _with_late(r: torch.Tensor, late: torch.Tensor | None) -> torch.Tensor:
-    """``r`` with its late LoRA part added (rounded once to ``r``'s dtype), which is zeroed."""
-    if late is None:
-        return r
-    out = (r.float() + late).to(r.dtype)
-    late.zero_()
-    return out
 
 
 class _GatedRMSNorm(torch.autograd.Function):
@@ -144,6 +124,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centred)
 
-    def add(self, x: torch.Tensor, r: torch.Tensor, late: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + r, self(x + r))`` (:func:`add_rms_norm`; ``late``: ``r``'s LoRA delta still apart)."""
-        return add_rms_norm(x, r, self.weight, self.eps, self.zero_centred, late=late)
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + r, self(x + r))`` (:func:`add_rms_norm`)."""
+        return add_rms_norm(x, r, self.weight, self.eps, self.zero_centred)

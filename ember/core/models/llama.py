@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ember.core.config import ModelConfig
-from ember.core.layers.lora import LoraLinear, late_part
+from ember.core.layers.lora import LoraLinear
 from ember.core.layers.mlp import SwiGLU
 from ember.core.layers.moe import SparseMoE
-from ember.core.layers.norms import RMSNorm, add_late
+from ember.core.layers.norms import RMSNorm
 from ember.core.layers.rope import RotaryEmbedding, norm_rope
 from ember.core.models.base import CausalLM, ForwardContext
 
@@ -62,17 +62,10 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), ctx)
-        x, h = self.post_attention_layernorm.add(x, attn, late_part(ctx.lora, attn))
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), ctx))
         if isinstance(self.mlp, SparseMoE):
             return x + self.mlp(h, ctx.lora, ctx.routing)
-        out = self.mlp(h, ctx.lora)
-        return add_late(x, out, late_part(ctx.lora, out))
-
-    def late_lora_modules(self) -> list[LoraLinear]:
-        """The projections whose output goes straight into a residual add here, which takes a
-        LoRA delta the route left apart (:func:`~ember.core.layers.lora.late_part`)."""
-        return [self.self_attn.o_proj] + ([self.mlp.down_proj] if isinstance(self.mlp, SwiGLU) else [])
+        return x + self.mlp(h, ctx.lora)
 
 
 class Decoder(nn.Module):

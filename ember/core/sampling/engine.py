@@ -130,9 +130,6 @@ class SamplerConfig:
       gate/up, down) run as Ember's decode GEMM (:mod:`ember.core.kernels.decode_gemm`) with each
       row's LoRA expand in its epilogue, instead of cuBLAS followed by a separate expand. Off by
       default until it is measured faster in a whole step (``bench/sample.py --decode-gemm 0,1``).
-    * ``lora_stream``: with the static decoder, each LoRA shrink runs on a second stream beside the
-      base product of the same input, instead of before it; the expand waits for both. The tokens
-      are the same either way (``bench/sample.py --lora-stream 0,1``).
     """
 
     max_seqs: int = 256
@@ -149,7 +146,6 @@ class SamplerConfig:
     overlap_decode: bool = True
     dependent_launch: bool = True
     decode_gemm: bool = False
-    lora_stream: bool = False
 
 
 class StepRecord(NamedTuple):
@@ -252,7 +248,6 @@ class SamplingEngine:
             self.static = StaticDecoder(
                 model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states,
                 dependent_launch=config.dependent_launch, decode_gemm=config.decode_gemm,
-                lora_stream=config.lora_stream,
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None

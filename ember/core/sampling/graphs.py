@@ -13,9 +13,7 @@ every pointer fixed, so this decoder
   GEMM. One graph thus serves any mix of adapters, and a configured-but-unused slot is an empty
   group: no work;
 * with ``dependent_launch``, on Hopper, launches the step's small Triton kernels with programmatic
-  dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`);
-* with ``lora_stream``, queues the LoRA shrinks on a second stream, each beside the base product
-  of the same input (:class:`~ember.core.sampling.static_route.StaticRoute`, ``side``).
+  dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`).
 
 Routed experts keep their grouped products (routing, sort and group ends stay on the device, so
 they capture too); their LoRA factors are stacked per expert group (one per slot with expert LoRA,
@@ -111,7 +109,6 @@ class StaticDecoder:
         states: RecurrentStateStore | None = None,
         dependent_launch: bool = False,
         decode_gemm: bool = False,
-        lora_stream: bool = False,
     ):
         self.model = model
         self.cache = cache
@@ -137,15 +134,6 @@ class StaticDecoder:
         self._staged: torch.cuda.Event | None = None  # marks the end of the last step's copies
         # the step's small Triton kernels launched programmatically dependent (Hopper; kernels.pdl)
         self.dependent_launch = dependent_launch and pdl.supported(cache.device)
-        # a second stream for the LoRA work beside the base products (StaticRoute's ``side``); the
-        # modules whose delta their layer's residual add takes, and the fp32 buffer of that delta
-        self.side = torch.get_device_module(cache.device).Stream() if lora_stream else None
-        late = [m for layer in model.modules() if hasattr(layer, "late_lora_modules")
-                for m in layer.late_lora_modules() if m.shard is None]  # a split product's delta is not its own
-        self.late = frozenset(m.lora_name for m in late) if self.side is not None else frozenset()
-        width = max((m.out_features for m in late), default=0)
-        self.late_buffer = (torch.zeros(self.buckets[-1] * width, dtype=torch.float32, device=cache.device)
-                            if self.late else None)
         # the decode GEMM's split-K workspace, for every bucket's rows and the widest dense product
         self.gemm = None
         if decode_gemm and fused.use_triton(torch.empty(0, device=cache.device)):
@@ -284,10 +272,7 @@ class StaticDecoder:
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
-                            rows=buf.positions.shape[0], gemm=self.gemm, side=self.side, late=self.late,
-                            late_buffer=self.late_buffer)
-        if self.late_buffer is not None:  # zero already (each add leaves it so); a step cut short may not have
-            self.late_buffer.zero_()
+                            rows=buf.positions.shape[0], gemm=self.gemm)
         if use_lora and fused.use_triton(buf.offsets):
             # the active-group list at the step's start: the LoRA kernels read it before their
             # grid-dependency wait (kernels.pdl, "read early"), so no kernel close before them may write it
@@ -314,7 +299,6 @@ class StaticDecoder:
             logits = chunk_logits(hidden, weight, [], 0, hidden.shape[0])
         if use_lora:
             logits = route.add_delta("lm_head", hidden, logits)  # fp32 logits (fresh: in place is fine)
-        route.finish()  # nothing stays on the side stream past the step (a capture must end joined)
         logits = gather_vocab(logits, vocab)
         # every row's plain draw and its logprob, in the graph (one kernel); the engine uses the rows
         # whose parameters are plain (see DecodeBatch.inv_temperature)

@@ -258,21 +258,7 @@ class StaticRoute:
     ``gemm`` (a :class:`~ember.core.kernels.decode_gemm.Workspace`): the dense base products run as
     the decode GEMM (:mod:`ember.core.kernels.decode_gemm`) with the LoRA expand in its epilogue,
     the shrink first; rollout copies and shapes it does not take keep cuBLAS and the separate
-    expand.
-
-    ``side`` (a second stream of the input's device): a LoRA shrink on the Triton path is queued on
-    it, after everything queued so far on the current stream, so it runs beside the base product
-    queued next instead of before it; the first use of its ``h`` makes the current stream wait for
-    the side stream (:meth:`join`), so the expand still follows both. Within a captured graph the
-    fork and the join are two edges. The caller joins before the step ends (a capture must).
-
-    ``late`` (module names) and ``late_buffer`` (fp32, zero, at least rows × those modules' width):
-    with a side stream, such a module's shrink *and* expand run on it, the expand into the buffer,
-    beside the base product; the module returns the bare product, and its layer passes
-    :meth:`late_part` of it to the residual add that consumes it, which adds the delta (rounded
-    once, as the expand would have) and leaves the buffer at zero (``norms.add_late``,
-    ``RMSNorm.add``). A layer names these modules in ``late_lora_modules``; a late part nobody
-    took fails the step (:meth:`join`)."""
+    expand."""
 
     def __init__(
         self,
@@ -283,9 +269,6 @@ class StaticRoute:
         lora: bool = True,
         rows: int | None = None,
         gemm: decode_gemm.Workspace | None = None,
-        side: torch.Stream | None = None,
-        late: frozenset[str] = frozenset(),
-        late_buffer: torch.Tensor | None = None,
     ):
         self.stacks = stacks
         self.offsets = offsets
@@ -300,11 +283,6 @@ class StaticRoute:
         self._workspace: torch.Tensor | None = None
         self._used = 0
         self._active: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.side = side
-        self._forked: torch.device | None = None  # a shrink's device, queued on the side stream, not joined
-        self.late = late
-        self.late_buffer = late_buffer
-        self._late: tuple[torch.Tensor, torch.Tensor] | None = None  # (bare product, its delta) not taken yet
 
     @property
     def active(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,17 +291,12 @@ class StaticRoute:
             self._active = lora_decode.active_groups(self.offsets, self.n_rows, skip_first=True)
         return self._active
 
-    def _room(self, n: int, cols: int, device: torch.device) -> bool:
-        """Whether the step's workspace (allocated and zeroed at the first call) holds another
-        ``[n, cols]`` block."""
+    def _zeros(self, n: int, cols: int, device: torch.device) -> torch.Tensor:
+        """A zeroed fp32 ``[n, cols]`` block of the step's workspace (a fresh one once it is used up)."""
         if self._workspace is None:
             total = sum(A.shape[1] for A, _ in self.stacks.fused.values())
             self._workspace = torch.zeros(n * total, dtype=torch.float32, device=device)
-        return self._used + n * cols <= self._workspace.numel()
-
-    def _zeros(self, n: int, cols: int, device: torch.device) -> torch.Tensor:
-        """A zeroed fp32 ``[n, cols]`` block of the step's workspace (a fresh one once it is used up)."""
-        if not self._room(n, cols, device):
+        if self._used + n * cols > self._workspace.numel():
             return torch.zeros(n, cols, dtype=torch.float32, device=device)
         out = self._workspace[self._used : self._used + n * cols].view(n, cols)
         self._used += n * cols
@@ -332,74 +305,9 @@ class StaticRoute:
     def _triton(self, *tensors: torch.Tensor) -> bool:
         return lora_decode.triton_ok(*tensors) and fused.use_triton(self.offsets)
 
-    def join(self) -> None:
-        """Make the current stream wait for the work queued on the side stream, if any."""
-        if self._forked is not None:
-            device, self._forked = self._forked, None
-            torch.get_device_module(device).current_stream(device).wait_stream(self.side)
-
-    def finish(self) -> None:
-        """The step's end: :meth:`join`, and fail if a late LoRA delta was never taken (a layer
-        named a module in ``late_lora_modules`` whose output it did not pass to ``late_part``)."""
-        self.join()
-        if self._late is not None:
-            raise RuntimeError("a product's late LoRA delta was never added (late_lora_modules and the layer disagree)")
-
-    def late_part(self, y: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA delta left apart for product ``y`` (fp32, ``y``'s shape; see the class doc), once."""
-        if self._late is None or self._late[0] is not y:
-            return None
-        late, self._late = self._late[1], None
-        return late
-
-    def _late_linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     st: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-        """Module ``name``'s bare product, its LoRA delta computed beside it on the side stream into
-        the late buffer (:meth:`late_part`); None where that does not apply (no side stream or
-        buffer, off the Triton path, no room, a late part still untaken)."""
-        A, B = st
-        key, j = self.stacks.member[name]
-        n, width = x.shape[0], B.shape[1]
-        if (self.side is None or self.late_buffer is None or n * width > self.late_buffer.numel()
-                or self._late is not None or x.dim() != 2 or not self._triton(x, A, B)):
-            return None
-        if self._h_of(key, x) is None and not self._room(n, self.stacks.fused[key][0].shape[1], x.device):
-            return None
-        self.join()
-        late = self.late_buffer[: n * width].view(n, width)
-        device = torch.get_device_module(x.device)
-        self.side.wait_stream(device.current_stream(x.device))
-        with device.stream(self.side):
-            R = self.stacks.rank
-            self._expand(late, self._group_h(key, x, True)[:, j * R : (j + 1) * R], B, True)
-        self._forked = x.device
-        y = F.linear(x, weight, bias)
-        self.join()
-        self._late = (y, late)
-        return y
-
-    def _start_h(self, key: str, x: torch.Tensor, triton: bool) -> None:
-        """Queue group ``key``'s shrink of ``x`` on the side stream, to run beside the product the
-        caller queues next (:meth:`_group_h` then joins). Without a side stream, off the Triton path,
-        once ``h`` is known or where the workspace has no room (nothing may be allocated on the
-        side stream): nothing, and :meth:`_group_h` computes it in order."""
-        if self.side is None or not triton or self._h_of(key, x) is not None:
-            return
-        if not self._room(x.shape[0], self.stacks.fused[key][0].shape[1], x.device):
-            return
-        device = torch.get_device_module(x.device)
-        self.side.wait_stream(device.current_stream(x.device))
-        with device.stream(self.side):
-            self._group_h(key, x, triton)
-        self._forked = x.device
-
-    def _h_of(self, key: str, x: torch.Tensor) -> torch.Tensor | None:
-        return self._h[2] if self._h is not None and self._h[0] == key and self._h[1] is x else None
-
     def _group_h(self, key: str, x: torch.Tensor, triton: bool) -> torch.Tensor:
-        """``x @ A.T`` of every member of group ``key`` (``[N, members · r]``), once per input;
-        the current stream waits for a shrink queued on the side stream first."""
-        if self._h_of(key, x) is None:
+        """``x @ A.T`` of every member of group ``key`` (``[N, members · r]``), once per input."""
+        if self._h is None or self._h[0] != key or self._h[1] is not x:
             A_all = self.stacks.fused[key][0]
             x2 = x.reshape(-1, x.shape[-1])
             if triton:
@@ -410,7 +318,6 @@ class StaticRoute:
             else:
                 h = grouped_linear(x2, A_all, self.offsets)
             self._h = (key, x, h)
-        self.join()
         return self._h[2]
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, triton: bool,
@@ -472,12 +379,6 @@ class StaticRoute:
             if self._gemm_ok(x, weight, B):
                 key, j = self.stacks.member[name] if st is not None else (name, 0)
                 return self._gemm(key, j, x, weight, bias, B)
-            if st is not None and name in self.late:
-                y = self._late_linear(name, x, weight, bias, st)
-                if y is not None:
-                    return y
-            if st is not None:
-                self._start_h(self.stacks.member[name][0], x, self._triton(x, *st))
             return self.add_delta(name, x, F.linear(x, weight, bias))
         key, start, end = rows
         if self._y is None or self._y[0] != key or self._y[1] is not x:
@@ -487,11 +388,9 @@ class StaticRoute:
             if not self.packed.rollout(key) and self._gemm_ok(x, W, B):
                 y = self._gemm(key, 0, x, W, b, B)
             else:
-                triton = stacks is not None and self._triton(x, *stacks)  # the product is x's kind
-                if stacks is not None:
-                    self._start_h(key, x, triton)
                 y = self.packed.product(key, x)
                 if stacks is not None:
+                    triton = self._triton(y, x, *stacks)
                     y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton, self.stacks.splits[key])
             self._y = (key, x, y)
         return self._y[2][:, start:end]
@@ -519,8 +418,6 @@ class StaticRoute:
         if not self._triton(*tensors) or (gu_stacks is not None and gu_stacks[1].shape[1] != 2 * gate.out_features):
             return None
         W, b = self.packed.weights[key]
-        if gu_stacks is not None:
-            self._start_h(key, x, True)
         gu = (self._gemm(key, 0, x, W, b, None) if not self.packed.rollout(key) and self._gemm_ok(x, W, None)
               else self.packed.product(key, x))
         gate_up = (self._group_h(key, x, True), gu_stacks[1]) if gu_stacks is not None else None

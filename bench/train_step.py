@@ -417,6 +417,9 @@ def main() -> None:
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}
         results[name] = _report(name, r, tokens, flops)
+        gc.collect()  # the configuration's worker (its optimizer state, a reference cycle) before the next
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     out = {"hardware": hardware_line(), "torch": torch.__version__, "shape": args.shape, "tokens": tokens,
            "model_tflop": flops / 1e12, "results": results}
     (args.out / f"train_step_{args.shape}.json").write_text(json.dumps(out, indent=2))

@@ -26,6 +26,7 @@ Prints the largest relative errors; exits non-zero if one exceeds its bf16 toler
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 from pathlib import Path
 
@@ -802,7 +803,7 @@ def check_swiglu_lora() -> None:
               f"the three kernels (with h zeroing) {t_three:.0f} us")
         # the launch shapes (rows a block, intermediate columns a program), against the default
         default = swiglu_config(N)
-        for cfg in [(bm, bk) for bm in (16, 32, 64) for bk in (64, 128, 256) if bm <= max(16, N)]:
+        for cfg in itertools.product((16, 32, 64), (64, 128, 256)):
             def one_cfg(gu, h_gu, B, A_d, h_d, cfg=cfg, offs=offs, n_rows=n_rows, active=active):
                 return swiglu_lora(gu, offs, active, n_rows, (h_gu, B), (A_d, h_d.zero_()), config=cfg)
             try:

@@ -339,12 +339,12 @@ def lora_expand_add(
     first = 1 if skip_first else 0
     if N == 0 or G <= first or n_out == 0:
         return y
-    split = splits is not None and len(splits) > 1
-    if split:
+    unit = 0  # with splits: the largest power of two dividing every member's width
+    if splits is not None and len(splits) > 1:
         if sum(splits) != n_out or R % len(splits):
             raise ValueError(f"lora_expand_add: splits {splits} for {n_out} outputs and {R} factor columns")
-        unit = math.gcd(*splits) & -math.gcd(*splits)  # the largest power of two dividing every member
-        split = unit >= 16  # else a block would straddle members: the whole of B
+        unit = math.gcd(*splits) & -math.gcd(*splits)
+    split = unit >= 16  # else a block would straddle members: the whole of B
     if split:
         R //= len(splits)
     r_pad = max(16, _pow2(R))

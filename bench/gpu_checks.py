@@ -721,6 +721,33 @@ def check_add_norm() -> None:
         print(f"  add + rmsnorm, {rows} rows: one kernel {one:.1f} us, add then norm {two:.1f} us")
 
 
+def check_router_topk() -> None:
+    """The router's top-k kernel (``kernels.router_topk``) against ``torch.topk`` on softmax
+    probabilities of bf16 logits (equal scores are common there): the same values in the same
+    order, the same experts on every row whose k-th and (k+1)-th scores differ, and the lowest
+    experts among scores equal to the k-th (``torch.topk``'s choice on CUDA) elsewhere; and the GPU
+    time of each at Qwen3-Next's (512 experts, k 10) and Qwen3-30B-A3B's (128, k 8) training
+    shapes, in a CUDA graph."""
+    from ember.core.kernels import router_topk
+
+    torch.manual_seed(0)
+    for T, E, k in ((16384, 512, 10), (16384, 128, 8), (64, 512, 10)):
+        logits = torch.randn(T, E, device="cuda").to(torch.bfloat16)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        idx = router_topk.topk_indices(probs, k)
+        ref_v, ref_i = torch.topk(probs, k + 1, dim=-1)
+        same_values = torch.equal(probs.gather(1, idx), ref_v[:, :k])
+        clear = ref_v[:, k - 1] > ref_v[:, k]
+        same_set = torch.equal(idx[clear].sort(-1).values, ref_i[clear, :k].sort(-1).values)
+        torch_set = torch.topk(probs, k, dim=-1).indices.sort(-1).values
+        same_ties = torch.equal(idx[~clear].sort(-1).values, torch_set[~clear])
+        report(f"router top-k [{T}, {E}], k {k}: values, experts ({int((~clear).sum())} rows tie at the k-th)",
+               float(not (same_values and same_set and same_ties)), 0.0)
+        ours = _graph_time_us(lambda p=probs, k=k: router_topk.topk_indices(p, k))
+        theirs = _graph_time_us(lambda p=probs, k=k: torch.topk(p, k, dim=-1))
+        print(f"  [{T}, {E}], k {k}: kernel {ours:.1f} us, torch.topk {theirs:.1f} us")
+
+
 def check_kv_write() -> None:
     """The one-launch paged-cache write (``kernels.kv_write``) against the two ``index_copy_`` it
     replaces: equal bit for bit (bf16, strided value heads of a packed q/k/v product), and the GPU
@@ -1110,6 +1137,7 @@ CHECKS = {
     "lora_decode": lambda: check_lora_decode(),
     "kv_write": lambda: check_kv_write(),
     "add_norm": lambda: check_add_norm(),
+    "router_topk": lambda: check_router_topk(),
     "pdl": lambda: check_pdl(),
     "pdl_decode": lambda: check_pdl_decode(),
     "decode_gemm": lambda: check_decode_gemm_decode(),

@@ -62,17 +62,17 @@ class AdapterOptimizer:
         hp.validate()
         for group in self.opt.param_groups:
             group.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
-        with_grad = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
         max_norm = hp.grad_clip_norm if hp.grad_clip_norm > 0 else float("inf")
-        if with_grad and grad_norm is not None:
-            total = grad_norm()
+        norm = 0.0
+        if grads:
+            total = grad_norm() if grad_norm is not None else torch.nn.utils.get_total_norm(grads)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_([p.grad for p in with_grad], coef.to(with_grad[0].grad.device))
-            norm = float(total)
-        elif with_grad:
-            norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
-        else:
-            norm = 0.0
+            norm, scale = torch.stack([total, coef]).tolist()  # one read back
+            # clip_grad_norm_'s scaling, skipped where its coefficient is exactly 1 (always without
+            # clipping): a pass over every gradient (2.2 ms a step for Qwen3-Next's 746M factors)
+            if not scale >= 1.0:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return {"grad_norm": norm}

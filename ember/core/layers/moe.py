@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import MoEConfig
-from ember.core.kernels import expert_decode
+from ember.core.kernels import expert_decode, router_topk
 from ember.core.kernels import sum_rows as row_kernels
 from ember.core.kernels.grouped import grouped_linear, grouped_wgrad
 from ember.core.layers.activations import silu_mul_packed
@@ -98,10 +98,9 @@ class SoftmaxTopKRouter(nn.Module):
         reach the router (R3)."""
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, live = torch.topk(probs, self.top_k, dim=-1)
+        live = router_topk.topk_indices(probs, self.top_k)
         idx = replayed(live, replay)
-        if replay is not None:
-            top = probs.gather(1, idx)
+        top = probs.gather(1, idx)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return Routing(experts=idx, weights=top.to(logits.dtype), live=live if replay is not None else None)

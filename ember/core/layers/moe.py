@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import MoEConfig
-from ember.core.kernels import expert_decode, router_topk
+from ember.core.kernels import expert_decode, grouped_lora, router_topk
 from ember.core.kernels import sum_rows as row_kernels
 from ember.core.kernels.grouped import grouped_linear, grouped_wgrad
 from ember.core.layers.activations import silu_mul_packed
@@ -114,9 +114,12 @@ class _ExpertProjection(torch.autograd.Function):
     NOT kept: backward gathers them again from ``x``. That, folding the routing weights into the
     activation (:meth:`Experts.activation`) and rebuilding the activation's output
     (:mod:`ember.core.rebuild`) keep an MoE layer's saved activations near ``[T·k, 2·I]`` instead of
-    ``[T·k, 2·H + 3·I]``. With ``split`` the base product and the correction come back apart (the
-    combine sums both in one pass), and the backward sums the input's two gradients into ``x``'s
-    rows in one pass too.
+    ``[T·k, 2·H + 3·I]``.
+
+    On CUDA the correction is added into the base product's rows in place, in one pass
+    (:mod:`ember.core.kernels.grouped_lora`), and the same for the input's two gradients. Elsewhere,
+    with ``split`` the base product and the correction come back apart (the combine sums both in one
+    pass), and the backward sums the input's two gradients into ``x``'s rows in one pass too.
     """
 
     @staticmethod
@@ -126,18 +129,23 @@ class _ExpertProjection(torch.autograd.Function):
         xs = x if rows is None else x[rows]
         y = grouped_linear(xs, weight, offsets)
         h = correction = None
+        ctx.folded = False  # the correction added into y's rows in place (so it has y's gradient)
         if A is not None:
             h = grouped_linear(xs, A, lora_offsets) * lora_scale[:, None]
-            correction = grouped_linear(h, B, lora_offsets)
-            if not split:
-                y = y + correction
+            if grouped_lora.available(y, h, B):
+                grouped_lora.expand_add(y, h, B, lora_offsets)
+                ctx.folded = True
+            else:
+                correction = grouped_linear(h, B, lora_offsets)
+                if not split:
+                    y = y + correction
         ctx.save_for_backward(x, rows, weight, offsets, lora_offsets, lora_scale, A, B, h)
         return (y, correction) if split else y
 
     @staticmethod
     def backward(ctx, gy, g_correction=None):
         x, rows, weight, offsets, lora_offsets, lora_scale, A, B, h = ctx.saved_tensors
-        if not ctx.split:
+        if not ctx.split or ctx.folded:
             g_correction = gy
         xs = x if rows is None else x[rows]
         gxs = grouped_linear(gy, weight.transpose(1, 2), offsets)
@@ -147,7 +155,11 @@ class _ExpertProjection(torch.autograd.Function):
             gh = grouped_linear(g_correction, B.transpose(1, 2), lora_offsets)
             gB = grouped_wgrad(g_correction, h, lora_offsets)
             gh = gh * lora_scale[:, None]
-            gxs_lora = grouped_linear(gh, A.transpose(1, 2), lora_offsets)
+            A_t = A.transpose(1, 2)
+            if grouped_lora.available(gxs, gh, A_t):
+                grouped_lora.expand_add(gxs, gh, A_t, lora_offsets)  # the input's two gradients, one pass
+            else:
+                gxs_lora = grouped_linear(gh, A_t, lora_offsets)
             gA = grouped_wgrad(gh, xs, lora_offsets)
         if rows is not None and ctx.inverse is not None:
             # each token's rows summed with the correction's in one pass (no [T·k, H] sum first)

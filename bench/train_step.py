@@ -156,7 +156,7 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
         table = averages.table(sort_by="self_cuda_time_total", row_limit=60)
         nested = averages.table(sort_by="cuda_time_total", row_limit=40)
         shapes = prof.key_averages(group_by_input_shape=True).table(
-            sort_by="self_cuda_time_total", row_limit=60, max_shapes_column_width=90)
+            sort_by="self_cuda_time_total", row_limit=150, max_shapes_column_width=90)
         (profile_dir / f"profile_ember_{n_adapters}x{bank_slots}.txt").write_text(
             table + "\n\n" + nested + "\n\n" + shapes)
         print(table[:6000])

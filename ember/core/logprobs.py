@@ -257,7 +257,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             step = max(1, GATHER_ELEMENTS // (K * H))
             for c0 in range(0, targets.shape[0], step):
                 rows = weight.index_select(0, targets[c0 : c0 + step].reshape(-1)).view(-1, K, H).to(pw.dtype)
-                grad_h[c0 : c0 + step] += torch.bmm(coef[c0 : c0 + step, None, :], rows)[:, 0]
+                if K == 1:  # one target a token: a scaled add (a batch of 1 × 1 products took 1 ms at 16k tokens)
+                    grad_h[c0 : c0 + step].addcmul_(coef[c0 : c0 + step], rows[:, 0])
+                else:
+                    grad_h[c0 : c0 + step] += torch.bmm(coef[c0 : c0 + step, None, :], rows)[:, 0]
             if ctx.vocab is not None:  # each process's part of the vocabulary
                 ctx.vocab.sum_(grad_h)
             return (grad_h.to(ctx.hidden_dtype), None, None, None, None, None, None, None)

@@ -73,11 +73,11 @@ def test_stored_and_recomputed_gradients_agree():
     recomputed chunks. Both equal autograd through the plain formula."""
     torch.manual_seed(2)
     V, H, T = 400, 12, 90
-    for softcap in (None, 3.0):
+    for softcap, K in ((None, 3), (3.0, 3), (None, 1)):  # several targets a token, and one
         w = torch.randn(V, H, dtype=torch.float64)
         h = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
-        t = torch.randint(0, V, (T, 3))
-        g = torch.randn(T, 3, dtype=torch.float64)
+        t = torch.randint(0, V, (T, K))
+        g = torch.randn(T, K, dtype=torch.float64)
         grads = []
         for train_head in (False, True):
             wi = w.clone().requires_grad_(train_head)

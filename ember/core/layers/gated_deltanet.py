@@ -9,8 +9,8 @@ with ``q, k`` L2-normalised (``q`` also scaled by ``dk^-1/2``), ``β = σ(b)`` a
 ``g = −exp(A_log)·softplus(a + dt_bias)``. Training and prefill use the chunked (UT/WY) form over
 chunks of 64 tokens, one row per sequence so that no state crosses ``ctx.seq_lens``; a decoding pass
 of one token per sequence uses the recurrent form. Between passes the layer keeps, through
-``ctx.state``: ``conv`` (``[N, K-1, C]``, the last inputs of its short convolution) and
-``recurrent`` (``[N, Hv, dk, dv]``, fp32).
+``ctx.state``: ``conv`` (``[N, K-1, C]``, the last inputs of its short convolution, channels in
+:meth:`GatedDeltaNet._project`'s order) and ``recurrent`` (``[N, Hv, dk, dv]``, fp32).
 
 Two implementations of the rule (:func:`gdn_backend`): ``torch`` — the functions below, in fp32
 (the CPU path and the reference); ``fla`` — flash-linear-attention's Triton kernels
@@ -291,17 +291,44 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = LoraLinear(s.value_dim, hidden, False, "attn")
 
     def _project(self, x: torch.Tensor, lora: LoraRoute | None) -> tuple[torch.Tensor, ...]:
-        """``(qkv [T, 2·Kd + Vd], z [T, Hv, dv], b [T, Hv], a [T, Hv])``."""
+        """``(qkv [T, 2·Kd + Vd], z [T, Hv, dv], b [T, Hv], a [T, Hv])``; ``qkv``'s channels in
+        :meth:`_split_qkv`'s order."""
         s, T = self.shape, x.shape[0]
         if not self.fused_projections:
             z = self.in_proj_z(x, lora).view(T, s.num_v_heads, s.head_v_dim)
             return self.in_proj_qkv(x, lora), z, self.in_proj_b(x, lora), self.in_proj_a(x, lora)
         r = s.num_v_heads // s.num_k_heads
         qkvz = self.in_proj_qkvz(x, lora).view(T, s.num_k_heads, -1)
-        q, k, v, z = qkvz.split([s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], dim=-1)
+        qkv, z = qkvz.split([2 * s.head_k_dim + r * s.head_v_dim, r * s.head_v_dim], dim=-1)
         b, a = self.in_proj_ba(x, lora).view(T, s.num_k_heads, 2 * r).split([r, r], dim=-1)
-        qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        return qkv, z.reshape(T, s.num_v_heads, s.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+        # one copy of the key heads' [q | k | v] columns, kept in that order: the short convolution
+        # is per channel, so its weights are put in the same order (_conv_weight) rather than the
+        # activations in the checkpoint's [q of all heads | k | v] order (three copies and a cat)
+        return qkv.reshape(T, -1), z.reshape(T, s.num_v_heads, s.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+
+    def _conv_weight(self) -> torch.Tensor:
+        """The short convolution's ``[C, K]`` taps in the order of :meth:`_project`'s channels."""
+        w = self.conv1d.weight[:, 0]
+        if not self.fused_projections:
+            return w
+        s = self.shape
+        r = s.num_v_heads // s.num_k_heads
+        q, k, v = w.split([s.key_dim, s.key_dim, s.value_dim])
+        heads = [q.view(s.num_k_heads, s.head_k_dim, -1), k.view(s.num_k_heads, s.head_k_dim, -1),
+                 v.view(s.num_k_heads, r * s.head_v_dim, -1)]
+        return torch.cat(heads, dim=1).view(w.shape)
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k`` ``[T, Hk, dk]`` and ``v`` ``[T, Hv, dv]`` of the convolved channels: ``[q | k |
+        v]`` over all heads (``in_proj_qkv``), or per key head (``in_proj_qkvz``)."""
+        s, T = self.shape, qkv.shape[0]
+        if self.fused_projections:
+            r = s.num_v_heads // s.num_k_heads
+            q, k, v = qkv.view(T, s.num_k_heads, -1).split([s.head_k_dim, s.head_k_dim, r * s.head_v_dim], dim=-1)
+        else:
+            q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        return (q.reshape(T, s.num_k_heads, s.head_k_dim), k.reshape(T, s.num_k_heads, s.head_k_dim),
+                v.reshape(T, s.num_v_heads, s.head_v_dim))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         s, T = self.shape, x.shape[0]
@@ -310,16 +337,14 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x, ctx.lora)
         backend = gdn_backend(x, self.backend)
         if backend == "fla" and state is None:
-            qkv = fla_silu_conv(qkv, self.conv1d.weight[:, 0], seq_lens)
+            qkv = fla_silu_conv(qkv, self._conv_weight(), seq_lens)
         else:
             conv_history = state.get(self.layer, "conv") if state is not None else None
-            qkv, conv_history = causal_conv(qkv, self.conv1d.weight[:, 0], seq_lens, conv_history)
+            qkv, conv_history = causal_conv(qkv, self._conv_weight(), seq_lens, conv_history)
             qkv = F.silu(qkv).to(x.dtype)
-        q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q, k, v = self._split_qkv(qkv)
         r = s.num_v_heads // s.num_k_heads  # value head j reads key head j // r
-        q = q.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1)
-        k = k.reshape(T, s.num_k_heads, s.head_k_dim).repeat_interleave(r, dim=1)
-        v = v.reshape(T, s.num_v_heads, s.head_v_dim)
+        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         recurrent = state.get(self.layer, "recurrent") if state is not None else None
         f = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 models)
         g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias)

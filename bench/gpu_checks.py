@@ -753,7 +753,7 @@ def check_grouped_lora() -> None:
             best = min(times, key=times.get)
             gb = 2 * y.numel() * y.element_size() / 1e9
             print(f"  [{N}, {n_out}]: grouped_mm + add {two:.0f} us; in place {times[grouped_lora.CONFIG]:.0f} us "
-                  f"(default), best {best} {times[best]:.0f} us = {gb / times[best] * 1e3:.0f} GB/s; "
+                  f"(default), best {best} {times[best]:.0f} us = {gb / times[best] * 1e6:.0f} GB/s; "
                   + ", ".join(f"{c}: {t:.0f}" for c, t in times.items()))
 
 

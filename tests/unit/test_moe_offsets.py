@@ -71,3 +71,15 @@ def moe_layer_case(dtype: torch.dtype, seed: int = 0):
     (out * draw(T, H)).sum().backward()
     return (out.detach(), x.grad, torch.cat([w.A.grad.flatten() for w in factors.values()]),
             torch.cat([w.B.grad.flatten() for w in factors.values()]))
+
+
+def moe_layer_against_fp64(kernels_off, tol: float = 1e-5) -> None:
+    """:func:`moe_layer_case` in fp32 as the code runs now (a kernel test's: under Triton's
+    interpreter), then in fp64 after ``kernels_off()`` turns its kernels off: the output and every
+    gradient within ``tol`` (relative norm)."""
+    got = moe_layer_case(torch.float32)
+    kernels_off()
+    ref = moe_layer_case(torch.float64)
+    for name, g, r in zip(("out", "dx", "dA", "dB"), got, ref):
+        err = ((g.double() - r).norm() / r.norm()).item()
+        assert err < tol, (name, err)

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -882,6 +883,41 @@ def event_time_ms(fn, warmup: int, reps: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def sync_points(fn: Callable[[], object]) -> list[tuple[str, int]]:
+    """Where ``fn()`` makes the host wait for the GPU: run under ``torch.cuda.set_sync_debug_mode``,
+    each synchronising call counted by the innermost line of Ember's code (or the bench's) on its
+    Python stack, most frequent first. A wait drains the GPU's queue, which then idles while the
+    host launches what follows."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    import ember
+
+    repo = Path(ember.__file__).parent.parent
+    roots = (str(repo / "ember"), str(repo / "bench"))
+    counts: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(roots)]
+        where = ours[-1] if ours else None
+        place = f"{Path(where.filename).relative_to(repo)}:{where.lineno} {where.name}" if where else f"{filename}:{lineno}"
+        counts[place] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+    return counts.most_common()
 
 
 def graph_us(fns: list[Callable[[], object]], iters: int = 20) -> float:

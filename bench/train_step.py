@@ -71,6 +71,7 @@ from bench.common import (
     random_ember_model,
     run_ranks,
     sync,
+    sync_points,
     time_steps,
     token_vocab,
     train_flops,
@@ -106,7 +107,7 @@ def requests(slots: list[int], seqs: list[np.ndarray]) -> list[ForwardBackwardIn
 
 
 def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, rank: int, warmup, iters,
-              profile_dir=None, targets=("attn", "mlp"), micro: int = 1):
+              profile_dir=None, targets=("attn", "mlp"), micro: int = 1, sync_check: bool = False):
     worker = Worker(model, max_adapters=bank_slots, max_rank=max(64, rank))
     config = LoraConfig(rank=rank, alpha=32.0, targets=frozenset(targets))
     slots = [worker.create_adapter(LoraConfig(rank=rank, alpha=32.0, targets=config.targets, seed=i)) for i in range(fill)]
@@ -144,6 +145,11 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
     if compiled:
         print(f"    torch.compile so far: {compiled.get('total', 0):.1f} s "
               f"(backend {compiled.get('backend', 0):.1f} s)", flush=True)
+    if sync_check:
+        waits = sync_points(step)
+        print(f"    host waits for the GPU in one step: {sum(n for _, n in waits)}", flush=True)
+        for where, n in waits:
+            print(f"      {n:4d}  {where}", flush=True)
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -357,6 +363,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", default="ember-1,ember-8,ember-32x1,hf-peft", help="comma list of configurations")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table of one Ember step")
+    ap.add_argument("--sync-points", action="store_true",
+                    help="list where one Ember step makes the host wait for the GPU (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--nproc", type=int, default=2, help="ember-par: processes (GPUs) of the engine")
     ap.add_argument("--ep", type=int, default=1, help="ember-par: expert-parallel degree (divides --nproc)")
@@ -389,7 +397,8 @@ def main() -> None:
     model = ember_model(hf_cfg) if names else None
     plan = {
         "ember-1": lambda: run_ember(model, hf_cfg, seqs, 1, 1, 1, args.rank, args.warmup, args.iters,
-                                     args.out if args.profile else None, micro=args.micro),
+                                     args.out if args.profile else None, micro=args.micro,
+                                     sync_check=args.sync_points),
         "ember-8": lambda: run_ember(model, hf_cfg, seqs, 8, 32, 32, args.rank, args.warmup, args.iters,
                                      args.out if args.profile else None, micro=args.micro),
         "ember-32x1": lambda: run_ember(model, hf_cfg, seqs, 1, 32, 32, args.rank, args.warmup, args.iters),

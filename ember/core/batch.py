@@ -8,6 +8,20 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(values: torch.Tensor | Sequence, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data as a tensor on ``device``, copied without waiting for the work queued there.
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory and synchronises the stream:
+    in the middle of a pass that drains the GPU's queue, which then idles while the host launches
+    the next kernels. Here the values go through pinned memory (PyTorch's caching host allocator,
+    which keeps the block until the copy is done) and an asynchronous copy."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if dtype is not None:
+        t = t.to(dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class PackedBatch:
     """Sequences concatenated in adapter-slot order (slot 0, the base model, first).
@@ -62,8 +76,8 @@ def pack(sequences: Sequence[Sequence[int]], slots: Sequence, device: torch.devi
             groups.append((slots[i], offset, offset + n))
         offset += n
     return PackedBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        input_ids=to_device(ids, device, torch.long),
+        positions=to_device(pos, device, torch.long),
         doc_lengths=doc_lengths,
         starts=starts,
         lengths=lengths,

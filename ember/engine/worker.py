@@ -444,7 +444,9 @@ class Worker:
             inv_t = [p.inv_t[j] if p.inv_t else torch.ones(len(p.tokens[j])) for p, j in owners]
         routes = self._routes(prepared, owners)
         train = any(not p.req.forward_only for p in prepared)
-        outputs, total = [], None
+        outputs: list[ForwardBackwardOutput | RequestError | None] = []
+        results = []  # (output index, loss, metrics, logprobs), read back once the backward is queued
+        total = None
         with nullcontext() if train else torch.no_grad():
             per_seq, flips = self._pass(sequences, keys, targets, inv_t, routes, weights)
             cursor = 0
@@ -461,12 +463,15 @@ class Worker:
                 cursor += len(lps)
                 if not p.req.forward_only and loss.requires_grad:
                     total = loss if total is None else total + loss
-                metrics["loss:sum"] = float(loss.detach())
-                outputs.append(
-                    ForwardBackwardOutput(logprobs=[x.detach().float().cpu().numpy() for x in lps], metrics=metrics)
-                )
+                results.append((len(outputs), loss.detach(), metrics, [x.detach() for x in lps]))
+                outputs.append(None)
             if total is not None:
                 total.backward()
+        # a read between the forward and the backward would drain the GPU's queue, which would then
+        # idle while the host launches the backward's first kernels
+        for i, loss, metrics, lps in results:
+            metrics = {k: float(v) for k, v in metrics.items()} | {"loss:sum": float(loss)}
+            outputs[i] = ForwardBackwardOutput(logprobs=[x.float().cpu().numpy() for x in lps], metrics=metrics)
         return outputs
 
     def _pass(
@@ -735,8 +740,9 @@ def _match(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _request_loss(
     p: _Prepared, lps: list[torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:
-    """The request's summed loss, its extra metrics and the logprobs it returns. Built-in losses:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor], list[torch.Tensor]]:
+    """The request's summed loss, its extra metrics (numbers or device scalars, read back after the
+    backward) and the logprobs it returns. Built-in losses:
     over the concatenated datums when all are 1-D, else per datum (sums over tokens add up either
     way). A custom loss runs per datum; its ``:sum`` metrics add up over the datums and ``:mean``
     ones are averaged. ``stable_reinforce`` returns its replayed logprobs ``log p_S(y)``."""
@@ -778,8 +784,8 @@ def _stable_reinforce_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.
         lp, cat("kind"), cat("valid", False), cat("q"), cat("advantages"), cat("sampler_logprob"),
         cat("sampler_mass"), tis_cap=p.config["tis_cap"], kl_coeff=p.config["kl_coeff"],
     )
-    sums = {k: float(v) for k, v in sums.items()}
-    n = max(sums["tokens"], 1.0)
+    sums = {k: v.detach() for k, v in sums.items()}  # device scalars: read back after the backward (Worker._run)
+    n = torch.clamp(sums["tokens"], min=1.0)
     metrics = {f"stability/{key}:mean": sums[key] / n for key in ("gap", "sampler_mass", "trainer_mass")}
     metrics["stability/tokens:sum"] = sums["tokens"]
     return loss, metrics, list(logprobs.split([x.shape[0] for x in lps]))

@@ -14,6 +14,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from ember.core.batch import to_device
 from ember.core.config import AttentionSpec
 
 
@@ -59,7 +60,7 @@ class PackedAttention:
         self.doc_lengths = list(doc_lengths)
         self.max_seqlen = max(self.doc_lengths) if self.doc_lengths else 0
         lengths = torch.tensor([0] + self.doc_lengths, dtype=torch.int32)
-        self.cu_seqlens = torch.cumsum(lengths, 0, dtype=torch.int32).to(device)
+        self.cu_seqlens = to_device(torch.cumsum(lengths, 0, dtype=torch.int32), device)
         self.backend = backend or ("varlen" if device.type == "cuda" and _varlen_fn()[0] else "sdpa")
 
     def __call__(

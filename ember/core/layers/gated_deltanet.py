@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.core.batch import to_device
 from ember.core.layers.lora import LoraLinear, LoraRoute
 from ember.core.layers.norms import RMSNorm, gated_rms_norm
 from ember.core.layers.packed_conv import causal_conv
@@ -184,7 +185,7 @@ def _cu_seqlens(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor
     """``cu_seqlens`` of packed sequences on ``device`` and its host copy (fla reads the host
     copy for its chunk indices, so a pass needs no device-to-host sync)."""
     cu_cpu = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
-    return cu_cpu.to(device, non_blocking=True), cu_cpu
+    return to_device(cu_cpu, device), cu_cpu
 
 
 def fla_silu_conv(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:

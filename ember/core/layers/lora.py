@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.core.batch import to_device
+
 
 @dataclass
 class LoraWeights:
@@ -146,18 +148,14 @@ class LoraRoute:
     def token_group(self) -> torch.Tensor:
         """Group index of every token, ``[T]`` (long)."""
         if "token_group" not in self._cache:
-            sizes = torch.tensor([g.size for g in self.groups], device=self.device)
-            self._cache["token_group"] = torch.repeat_interleave(
-                torch.arange(len(self.groups), device=self.device), sizes
-            )
+            sizes = torch.tensor([g.size for g in self.groups])
+            self._cache["token_group"] = to_device(torch.repeat_interleave(torch.arange(len(self.groups)), sizes),
+                                                   self.device)
         return self._cache["token_group"]
 
     def _group_scales(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(
-            [a.scale if a is not None and name in a.weights else 0.0 for a in self.moe_adapters],
-            dtype=dtype,
-            device=self.device,
-        )
+        scales = [a.scale if a is not None and name in a.weights else 0.0 for a in self.moe_adapters]
+        return to_device(scales, self.device, dtype)
 
     def _active(self, name: str) -> list[LoraWeights | None]:
         return [a.weights.get(name) if a is not None else None for a in self.moe_adapters]

@@ -17,7 +17,7 @@ def to_device(values: torch.Tensor | Sequence, device: torch.device | str, dtype
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if dtype is not None:
         t = t.to(dtype)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ember.core.adapters import Adapter, AdapterBank, LoraConfig
-from ember.core.batch import PackedBatch, pack
+from ember.core.batch import PackedBatch, pack, to_device
 from ember.core.checkpoint import FULL_FORMAT, checkpoint_format, load_adapter, save_adapter
 from ember.core.checkpointing import (
     HEAD_BYTES,
@@ -493,13 +493,16 @@ class Worker:
         routing = None
         if routes is not None:
             layers = sorted(self.model.moe_routers())
-            reference, replay = (batch.gather(r).to(self.device) for r in routes)
+            reference, replay = (batch.gather(r) for r in routes)
+            replays = bool((replay >= 0).any())  # on the host, before the copies
+            reference, replay = to_device(reference, self.device), to_device(replay, self.device)
             routing = RoutingRecord(
-                replay={layer: replay[:, i] for i, layer in enumerate(layers)} if (replay >= 0).any() else None,
+                replay={layer: replay[:, i] for i, layer in enumerate(layers)} if replays else None,
                 reference={layer: reference[:, i] for i, layer in enumerate(layers)},
                 flips={},
             )
-        lp = self._checkpointed_logprobs(batch, keys, batch.gather(targets).to(self.device), inv, routing, weights)
+        lp = self._checkpointed_logprobs(batch, keys, to_device(batch.gather(targets), self.device), inv, routing,
+                                         weights)
         return batch.split(lp), _flip_counts(batch, routing)
 
     def _checkpointed_logprobs(self, batch: PackedBatch, keys: list, targets, inv, routing,
@@ -751,17 +754,17 @@ def _request_loss(
     if p.program is not None:
         losses, sums = [], {}
         for lp, inp in zip(lps, p.inputs):
-            loss, metrics = p.program(lp, [inp[name].to(device) for name in p.program.input_names])
+            loss, metrics = p.program(lp, [to_device(inp[name], device) for name in p.program.input_names])
             losses.append(loss.float())
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
         n = len(lps)
         return torch.stack(losses).sum(), {k: v / n if k.endswith(":mean") else v for k, v in sums.items()}, lps
     if all(x.dim() == 1 for x in lps):
-        inputs = {k: torch.cat([inp[k] for inp in p.inputs]).to(device) for k in p.inputs[0]}
+        inputs = {k: to_device(torch.cat([inp[k] for inp in p.inputs]), device) for k in p.inputs[0]}
         return loss_sum(p.req.loss_fn, torch.cat(lps), inputs, p.config), {}, lps
     parts = [
-        loss_sum(p.req.loss_fn, x, {k: v.to(device) for k, v in inp.items()}, p.config)
+        loss_sum(p.req.loss_fn, x, {k: to_device(v, device) for k, v in inp.items()}, p.config)
         for x, inp in zip(lps, p.inputs)
     ]
     return torch.stack(parts).sum(), {}, lps
@@ -777,7 +780,7 @@ def _stable_reinforce_loss(p: _Prepared, lps: list[torch.Tensor], device: torch.
         parts = [inp[key] for inp in p.inputs]
         if parts[0].dim() == 2:
             parts = [torch.nn.functional.pad(x, (0, width - 1 - x.shape[1]), value=fill) for x in parts]
-        return torch.cat(parts).to(device)
+        return to_device(torch.cat(parts), device)
 
     lp = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in lps])
     loss, logprobs, sums = stable_reinforce(

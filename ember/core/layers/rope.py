@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ember.core.batch import to_device
 from ember.core.config import RopeConfig
 from ember.core.kernels import fused
 from ember.core.rebuild import rebuildable
@@ -46,7 +47,7 @@ class RotaryEmbedding:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape ``[T, rotary_dim]`` for integer ``positions`` ``[T]``, cast to ``dtype``
         (as the reference does before rotating)."""
-        inv = self.inv_freq.to(positions.device)
+        inv = to_device(self.inv_freq, positions.device)
         freqs = positions.float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -10,10 +10,11 @@ import torch
 
 def to_device(values: torch.Tensor | Sequence, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Host data as a tensor on ``device``, copied without waiting for the work queued there.
-    ``torch.tensor(values, device=cuda)`` copies from pageable memory and synchronises the stream:
-    in the middle of a pass that drains the GPU's queue, which then idles while the host launches
-    the next kernels. Here the values go through pinned memory (PyTorch's caching host allocator,
-    which keeps the block until the copy is done) and an asynchronous copy."""
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory and synchronises the stream;
+    in the middle of a pass that drains the GPU's queue, and the GPU then idles while the host
+    launches the next kernels. Here the values go through pinned memory (PyTorch's caching host
+    allocator keeps the block until the copy is done) and an asynchronous copy. Tensors already on
+    a device, and non-CUDA targets, are moved as ``Tensor.to`` moves them."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if dtype is not None:
         t = t.to(dtype)

@@ -31,7 +31,8 @@ Each full configuration reports the optimizer step's share of the step (``optim_
 6·N·T + attention.
 
 Prints step time, tokens/s, peak and activation memory, MFU (4·N·T + attention FLOPs at 790
-TFLOP/s), and writes a JSON and a profile under --out. --shape takes every shape of
+TFLOP/s), and writes a JSON (and with --profile a torch.profiler table) under --out;
+--sync-points lists where one ember-1 step makes the host wait for the GPU. --shape takes every shape of
 bench/common.py (the families' full-size or layer-reduced shapes, and tiny-* CPU smoke shapes). Run:
 
     python bench/train_step.py --out /tmp/bench

@@ -154,8 +154,11 @@ class LoraRoute:
         return self._cache["token_group"]
 
     def _group_scales(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        scales = [a.scale if a is not None and name in a.weights else 0.0 for a in self.moe_adapters]
-        return to_device(scales, self.device, dtype)
+        scales = tuple(a.scale if a is not None and name in a.weights else 0.0 for a in self.moe_adapters)
+        key = ("group_scales", scales, dtype)  # the same for every MoE layer of a pass: copied once
+        if key not in self._cache:
+            self._cache[key] = to_device(list(scales), self.device, dtype)
+        return self._cache[key]
 
     def _active(self, name: str) -> list[LoraWeights | None]:
         return [a.weights.get(name) if a is not None else None for a in self.moe_adapters]

@@ -16,7 +16,9 @@
   kept), and the MoE combine kernel against fp32
 * the Gated DeltaNet rule through fla (bf16, chunked over packed sequences with initial states,
   and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
-  a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout
+  a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout; the key
+  heads' norm and repetition for fla against fp64 and against the path it replaced, with its time;
+  strided copies as 8-byte words against ``contiguous()``
 * the static decoder (fp32, three adapters) with programmatic dependent launch (``pdl_decode``) and
   with the decode GEMM (``decode_gemm``) against the same decoder without them
 
@@ -784,6 +786,64 @@ def check_router_topk() -> None:
         print(f"  [{T}, {E}], k {k}: kernel {ours:.1f} us, torch.topk {theirs:.1f} us")
 
 
+def check_l2norm_heads() -> None:
+    """The GDN key heads' norm and repetition for fla (``kernels.l2norm_heads``) at Qwen3-Next's
+    training shape (16,384 tokens, 16 key heads of 128 read from the ``[q | k | v]`` columns, two
+    value heads each): values and input gradients against the fp64 formula, and the GPU time of
+    forward + backward against what it replaces (``repeat_interleave``, then fla's own norm and
+    its backward, then autograd's sum of the copies' gradients)."""
+    from fla.modules.l2norm import l2norm as fla_l2norm
+
+    from ember.core.kernels.l2norm_heads import l2norm_repeat
+
+    torch.manual_seed(0)
+    T, H, D, r = 16384, 16, 128, 2
+    qkv = torch.randn(T, H, 4 * D, device="cuda", dtype=torch.bfloat16)
+    x = qkv[..., :D].requires_grad_()
+    dy = torch.randn(T, H * r, D, device="cuda", dtype=torch.bfloat16)
+    y = l2norm_repeat(x, r)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    ref = (x64 * torch.rsqrt((x64 * x64).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(r, 1)
+    (ref_dx,) = torch.autograd.grad(ref, x64, dy.double())
+    report("l2norm_heads [16384, 16 -> 32, 128] out vs fp64", rel(y, ref), 4e-3)
+    report("l2norm_heads input gradient vs fp64", rel(dx, ref_dx), 8e-3)
+    old = fla_l2norm(x.repeat_interleave(r, 1))
+    (old_dx,) = torch.autograd.grad(old, x, dy)
+    report("l2norm_heads vs fla's path: out", rel(y, old), 4e-3)
+    report("l2norm_heads vs fla's path: input gradient", rel(dx, old_dx), 8e-3)
+
+    def ours():
+        torch.autograd.grad(l2norm_repeat(x, r), x, dy)
+
+    def theirs():
+        torch.autograd.grad(fla_l2norm(x.repeat_interleave(r, 1)), x, dy)
+
+    t_ours, t_theirs = event_time_ms(ours, 3, 50), event_time_ms(theirs, 3, 50)
+    # bf16 bytes: read x, write r copies; read r gradients and one copy, write dx
+    floor_us = T * H * D * ((1 + r) + (r + 2)) * 2 / copy_bandwidth() * 1e6
+    print(f"  forward + backward, one of q or k: kernel {t_ours * 1e3:.0f} us, repeat + fla's norm "
+          f"{t_theirs * 1e3:.0f} us (the kernel's bytes at the copy bandwidth: {floor_us:.0f} us)")
+
+
+def check_copies() -> None:
+    """Strided bf16 activations made contiguous as 8-byte words (``layers.copies``) against
+    ``x.contiguous()``, at the Gated DeltaNet projection's cuts of Qwen3-Next's ``[16384, 16, 768]``
+    per-key-head columns: equal bit for bit, and the GPU time and bandwidth of each."""
+    from ember.core.layers import copies
+
+    torch.manual_seed(0)
+    qkvz = torch.randn(16384, 16, 768, device="cuda", dtype=torch.bfloat16)
+    for name, x in (("qkv [16384, 16, 512] of 768", qkvz[..., :512]), ("z [16384, 16, 256] of 768", qkvz[..., 512:]),
+                    ("v [16384, 16, 256] of 512", qkvz[..., :512].contiguous()[..., 256:])):
+        report(f"copies {name}: words vs contiguous", float(not torch.equal(copies.contiguous(x), x.contiguous())), 0.0)
+        gb = 2 * x.numel() * x.element_size() / 1e9
+        plain = event_time_ms(lambda x=x: x.contiguous(), 3, 50)
+        words = event_time_ms(lambda x=x: copies.contiguous(x), 3, 50)
+        print(f"  {name}: contiguous() {plain * 1e3:.0f} us ({gb / plain:.0f} GB/s), as words {words * 1e3:.0f} us "
+              f"({gb / words:.0f} GB/s)")
+
+
 def check_kv_write() -> None:
     """The one-launch paged-cache write (``kernels.kv_write``) against the two ``index_copy_`` it
     replaces: equal bit for bit (bf16, strided value heads of a packed q/k/v product), and the GPU
@@ -947,7 +1007,7 @@ def check_gdn() -> None:
         for t in (q, k, v, g, beta):
             t.grad = None
         if name == "fla":
-            o, h = gd.fla_gated_delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, lens, h0, True)
+            o, h = gd.fla_gated_delta_rule(q, k, v, g, beta, lens, h0, True)  # q, k at the key heads
         else:
             dt = torch.float64 if name == "torch64" else torch.float32
             o, h = torch_rule(q, k, v, g, beta, h0.to(dt), dt)
@@ -962,7 +1022,7 @@ def check_gdn() -> None:
     q1, k1 = torch.randn(N, Hk, dk, device=dev, dtype=bf), torch.randn(N, Hk, dk, device=dev, dtype=bf)
     v1, beta1 = torch.randn(N, Hv, dv, device=dev, dtype=bf), torch.rand(N, Hv, device=dev, dtype=bf)
     g1 = -torch.rand(N, Hv, device=dev) * 0.3
-    o_f, h_f = gd.fla_gated_delta_rule(q1.repeat_interleave(r, 1), k1.repeat_interleave(r, 1), v1, g1, beta1, [1] * N, h0, True)
+    o_f, h_f = gd.fla_gated_delta_rule(q1, k1, v1, g1, beta1, [1] * N, h0, True)
     qf = gd.l2norm(q1.float().repeat_interleave(r, 1)) * dk**-0.5
     kf = gd.l2norm(k1.float().repeat_interleave(r, 1))
     o_t, h_t = gd.recurrent_gated_delta_rule(qf, kf, v1.float(), g1, beta1.float(), h0)
@@ -1004,10 +1064,11 @@ def check_gdn() -> None:
     report("gdn layer fla vs torch training pass dx", rel(grads["fla"][1], grads["torch"][1]), 2.5e-2)
     layer.backend = None
 
-    # time at 8k tokens (4 x 2048), the anchor's layout (perf_anchors: 0.47 ms fwd / 1.44 ms bwd)
+    # time at 8k tokens (4 x 2048), the anchor's layout (perf_anchors: 0.47 ms fwd / 1.44 ms bwd),
+    # with the key heads' norm and repetition (kernels.l2norm_heads)
     lens8 = [2048] * 4
-    q = torch.randn(8192, Hv, dk, device=dev, dtype=bf, requires_grad=True)  # repeated to the value heads
-    k = torch.randn(8192, Hv, dk, device=dev, dtype=bf, requires_grad=True)
+    q = torch.randn(8192, Hk, dk, device=dev, dtype=bf, requires_grad=True)
+    k = torch.randn(8192, Hk, dk, device=dev, dtype=bf, requires_grad=True)
     v = torch.randn(8192, Hv, dv, device=dev, dtype=bf, requires_grad=True)
     g = (-torch.rand(8192, Hv, device=dev) * 0.3).requires_grad_()
     beta = torch.rand(8192, Hv, device=dev, dtype=bf).requires_grad_()
@@ -1174,6 +1235,8 @@ CHECKS = {
     "kv_write": lambda: check_kv_write(),
     "add_norm": lambda: check_add_norm(),
     "router_topk": lambda: check_router_topk(),
+    "l2norm_heads": lambda: check_l2norm_heads(),
+    "copies": lambda: check_copies(),
     "grouped_lora": lambda: check_grouped_lora(),
     "pdl": lambda: check_pdl(),
     "pdl_decode": lambda: check_pdl_decode(),

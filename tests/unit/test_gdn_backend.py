@@ -67,26 +67,31 @@ def _fla_naive(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial
     return o.to(dtype), (torch.stack(finals).float() if output_final_state else None)
 
 
-def test_the_fla_call_follows_fla_s_signatures_and_layouts(monkeypatch):
+@pytest.mark.parametrize("key_heads", [4, 2])
+def test_the_fla_call_follows_fla_s_signatures_and_layouts(monkeypatch, key_heads):
     """Ember's call of fla (prefill of packed sequences with initial states, then one decode
-    token each) against the torch rule, with fla's kernels replaced by its contract in fp64."""
+    token each) against the torch rule, with fla's kernels replaced by its contract in fp64; q and
+    k at the key heads (4 value heads: one each, or two value heads a key head)."""
     monkeypatch.setattr(gd, "_fla_ops", lambda: (_fla_naive, _fla_naive, None))
     torch.manual_seed(0)
-    H, dk, dv, lens = 4, 8, 6, [5, 9, 3]
-    T = sum(lens)
+    H, Hk, dk, dv, lens = 4, key_heads, 8, 6, [5, 9, 3]
+    T, r = sum(lens), H // key_heads
 
     def inputs(t):
-        return (torch.randn(t, H, dk), torch.randn(t, H, dk), torch.randn(t, H, dv),
+        return (torch.randn(t, Hk, dk), torch.randn(t, Hk, dk), torch.randn(t, H, dv),
                 -torch.rand(t, H), torch.rand(t, H))
+
+    def normed(q, k):
+        return gd.l2norm(q.repeat_interleave(r, 1)) * dk**-0.5, gd.l2norm(k.repeat_interleave(r, 1))
 
     h0 = torch.randn(len(lens), H, dk, dv)
     q, k, v, g, beta = inputs(T)
     o, final = gd.fla_gated_delta_rule(q, k, v, g, beta, lens, h0, True)
-    ref_o, ref_final = gd.chunk_gated_delta_rule(gd.l2norm(q) * dk**-0.5, gd.l2norm(k), v, g, beta, lens, h0)
+    ref_o, ref_final = gd.chunk_gated_delta_rule(*normed(q, k), v, g, beta, lens, h0)
     assert torch.allclose(o, ref_o, atol=1e-5) and torch.allclose(final, ref_final, atol=1e-5)
     q, k, v, g, beta = inputs(len(lens))
     o, state = gd.fla_gated_delta_rule(q, k, v, g, beta, [1] * len(lens), final, True)
-    ref_o, ref_state = gd.recurrent_gated_delta_rule(gd.l2norm(q) * dk**-0.5, gd.l2norm(k), v, g, beta, ref_final)
+    ref_o, ref_state = gd.recurrent_gated_delta_rule(*normed(q, k), v, g, beta, ref_final)
     assert torch.allclose(o, ref_o, atol=1e-5) and torch.allclose(state, ref_state, atol=1e-5)
 
 

@@ -17,8 +17,9 @@ Two implementations of the rule (:func:`gdn_backend`): ``torch`` — the functio
 (``fla-core``, an optional GPU dependency: ``chunk_gated_delta_rule`` over ``cu_seqlens`` for
 training and prefill, ``fused_recurrent_gated_delta_rule`` for decoding, and ``causal_conv1d``
 with the SiLU fused for the short convolution of a pass without carried state), used on CUDA for
-bf16 and fp16 models when it is installed. fla takes the bf16 q/k/v (q and k repeated to the value heads,
-as for the torch path), normalises q and k in the kernel and keeps the state in fp32;
+bf16 and fp16 models when it is installed. fla takes the bf16 q/k/v with q and k at the value
+heads: :func:`~ember.core.kernels.l2norm_heads.l2norm_repeat` normalises each key head once and
+writes its copies (fla 0.4.2 has no grouped value heads), and fla keeps the state in fp32;
 ``bench/gpu_checks.py gdn`` compares it with the torch path. fla-core 0.4.2 is the version to
 install: from 0.5 on, fla refuses the gated backward on Hopper with Triton 3.4 to 3.7.0 (fla
 issue 640: a Triton codegen bug at a 64-wide key tile), which torch 2.11's Triton 3.6 is;
@@ -38,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.batch import to_device
+from ember.core.kernels.l2norm_heads import l2norm_repeat
+from ember.core.layers.copies import contiguous
 from ember.core.layers.lora import LoraLinear, LoraRoute
 from ember.core.layers.norms import RMSNorm, gated_rms_norm
 from ember.core.layers.packed_conv import causal_conv
@@ -223,25 +226,27 @@ def fla_gated_delta_rule(
     initial_state: torch.Tensor | None,
     output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rule through fla's kernels, for packed sequences: ``q, k`` ``[T, H, dk]`` (not yet
-    normalised), ``v`` ``[T, H, dv]``, ``g, beta`` ``[T, H]``,
-    ``initial_state`` ``[N, H, dk, dv]`` fp32 or ``None``. One token per sequence with a state
-    takes the recurrent kernel. Returns ``o`` ``[T, H, dv]`` (``v``'s dtype) and the final fp32
-    state (``None`` unless ``output_final_state``)."""
+    """The rule through fla's kernels, for packed sequences: ``q, k`` ``[T, Hk, dk]`` (not yet
+    normalised; value head ``j`` reads key head ``j // (H / Hk)``), ``v`` ``[T, H, dv]``, ``g, beta``
+    ``[T, H]``, ``initial_state`` ``[N, H, dk, dv]`` fp32 or ``None``. One token per sequence with a
+    state takes the recurrent kernel. Returns ``o`` ``[T, H, dv]`` (``v``'s dtype) and the final
+    fp32 state (``None`` unless ``output_final_state``)."""
     chunk, recurrent, _ = _fla_ops()
     scale = q.shape[-1] ** -0.5
+    r = v.shape[1] // q.shape[1]
+    q, k = l2norm_repeat(q, r), l2norm_repeat(k, r)  # normalised here, not by fla (use_qk_l2norm_in_kernel)
     if initial_state is not None and max(seq_lens) == 1:
         # by keyword: fla's recurrent kernel also takes per-key and per-value decays (gk, gv)
         # between g and beta
         o, final = recurrent(
             q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], scale=scale,
-            initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+            initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
         )
         return o[:, 0], final
     cu, cu_cpu = _cu_seqlens(seq_lens, q.device)
     o, final = chunk(
         q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+        initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
     )
     return o[0], final
@@ -305,7 +310,8 @@ class GatedDeltaNet(nn.Module):
         # one copy of the key heads' [q | k | v] columns, kept in that order: the short convolution
         # is per channel, so its weights are put in the same order (_conv_weight) rather than the
         # activations in the checkpoint's [q of all heads | k | v] order (three copies and a cat)
-        return qkv.reshape(T, -1), z.reshape(T, s.num_v_heads, s.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+        qkv, z = contiguous(qkv).view(T, -1), contiguous(z).view(T, s.num_v_heads, s.head_v_dim)
+        return qkv, z, b.reshape(T, -1), a.reshape(T, -1)
 
     def _conv_weight(self) -> torch.Tensor:
         """The short convolution's ``[C, K]`` taps in the order of :meth:`_project`'s channels."""
@@ -328,8 +334,8 @@ class GatedDeltaNet(nn.Module):
             q, k, v = qkv.view(T, s.num_k_heads, -1).split([s.head_k_dim, s.head_k_dim, r * s.head_v_dim], dim=-1)
         else:
             q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        return (q.reshape(T, s.num_k_heads, s.head_k_dim), k.reshape(T, s.num_k_heads, s.head_k_dim),
-                v.reshape(T, s.num_v_heads, s.head_v_dim))
+        v = contiguous(v).view(T, s.num_v_heads, s.head_v_dim)  # fla would copy a strided v at PyTorch's speed
+        return q.reshape(T, s.num_k_heads, s.head_k_dim), k.reshape(T, s.num_k_heads, s.head_k_dim), v
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         s, T = self.shape, x.shape[0]
@@ -344,14 +350,14 @@ class GatedDeltaNet(nn.Module):
             qkv, conv_history = causal_conv(qkv, self._conv_weight(), seq_lens, conv_history)
             qkv = F.silu(qkv).to(x.dtype)
         q, k, v = self._split_qkv(qkv)
-        r = s.num_v_heads // s.num_k_heads  # value head j reads key head j // r
-        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         recurrent = state.get(self.layer, "recurrent") if state is not None else None
         f = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 models)
         g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias)
         if backend == "fla":
             o, recurrent = fla_gated_delta_rule(q, k, v, g, b.sigmoid(), seq_lens, recurrent, state is not None)
         else:
+            r = s.num_v_heads // s.num_k_heads  # value head j reads key head j // r
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
             q, k = l2norm(q.to(f)) * s.head_k_dim**-0.5, l2norm(k.to(f))
             v, beta = v.to(f), b.sigmoid().to(f)
             if state is not None and max(seq_lens) == 1:

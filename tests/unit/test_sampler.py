@@ -302,6 +302,32 @@ def _mixed_requests(slots):
     return reqs
 
 
+def static_decode_requests(worker) -> list[SampleInput]:
+    """The requests the static decoder's kernel tests decode: :func:`_mixed_requests` over three
+    adapters (one without MLP LoRA), with request 1 on the base model."""
+    reqs = _mixed_requests(_adapters(worker, CONFIGS))
+    reqs[1] = dataclasses.replace(reqs[1], slot=0)
+    return reqs
+
+
+def decoded(results) -> list:
+    """Each result's sequences as ``[tokens, logprobs]`` lists (JSON: from a subprocess)."""
+    return [[[s.tokens.tolist(), np.asarray(s.logprobs, np.float64).tolist()] for s in r.sequences] for r in results]
+
+
+def assert_equals_eager(path, got: list) -> None:
+    """``got`` (:func:`decoded`) holds the eager decoder's tokens, and its logprobs to 1e-5, for
+    :func:`static_decode_requests` on the model at ``path`` (computed here, in this process: the
+    PyTorch paths, not the Triton interpreter's)."""
+    worker = _worker(path, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024))
+    want = decoded(worker.sample(static_decode_requests(worker)))
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert [t for t, _ in g] == [t for t, _ in w]
+        for (_, g_lp), (_, w_lp) in zip(g, w, strict=True):
+            np.testing.assert_allclose(g_lp, w_lp, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_mixed_adapters_equal_alone(family, hf_models):
     _, path = hf_models[family]

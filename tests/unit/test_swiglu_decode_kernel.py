@@ -3,11 +3,13 @@ the three kernels it replaces (gate/up expand, ``silu(g) * u``, down shrink), an
 decoded through ``StaticRoute.swiglu`` equals the block run as its three modules (run on the CPU
 through Triton's interpreter)."""
 
+import json
 import textwrap
 
 import pytest
 
 from tests.triton_interp import run_interpreted
+from tests.unit.test_sampler import assert_equals_eager
 
 pytest.importorskip("triton")
 
@@ -142,15 +144,13 @@ def test_swiglu_lora_kernel_matches_the_three_kernels():
 
 ENGINE_SCRIPT = textwrap.dedent(
     """
-    import dataclasses, sys
-    import numpy as np
-    import torch
+    import json
     from tests.triton_interp import patch_interpreter
     patch_interpreter()
 
     from ember.core.kernels import swiglu_decode
     from ember.core.sampling import SamplerConfig
-    from tests.unit.test_sampler import CONFIGS, _adapters, _mixed_requests, _tokens, _worker
+    from tests.unit.test_sampler import _worker, decoded, static_decode_requests
 
     launches = []
     real = swiglu_decode._swiglu_lora
@@ -160,19 +160,10 @@ ENGINE_SCRIPT = textwrap.dedent(
             return real[grid]
     swiglu_decode._swiglu_lora = Counting()
 
-    results = []
-    for static in (False, True):
-        worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=static))
-        slots = _adapters(worker, CONFIGS)
-        reqs = _mixed_requests(slots)
-        reqs[1] = dataclasses.replace(reqs[1], slot=0)
-        results.append(worker.sample(reqs))
+    worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True))
+    results = worker.sample(static_decode_requests(worker))
     assert launches, "the static decoder never ran the SwiGLU kernel"
-    for a, b in zip(*results):
-        assert _tokens(a) == _tokens(b)
-        for x, y in zip(a.sequences, b.sequences):
-            np.testing.assert_allclose(y.logprobs, x.logprobs, atol=1e-5, rtol=0)
-    print("OK", len(launches))
+    print(json.dumps(decoded(results)))
     """
 )
 
@@ -180,6 +171,8 @@ ENGINE_SCRIPT = textwrap.dedent(
 def test_static_decode_through_the_kernels_equals_eager(hf_models):
     """The whole static decode step on the Triton path (under the interpreter: the LoRA shrink and
     expand, the SwiGLU kernel, the KV write, the fused norms) gives the eager decoder's tokens and
-    logprobs, with three adapters (one without MLP LoRA) and a base-model row in the same steps."""
+    logprobs (the PyTorch path, in this process), with three adapters (one without MLP LoRA) and a
+    base-model row in the same steps."""
     _, path = hf_models["qwen3"]
-    assert "OK" in run_interpreted(f"PATH = {str(path)!r}\n" + ENGINE_SCRIPT, timeout=900)
+    out = run_interpreted(f"PATH = {str(path)!r}\n" + ENGINE_SCRIPT, timeout=900)
+    assert_equals_eager(path, json.loads(out.strip().splitlines()[-1]))

@@ -59,52 +59,55 @@ if HAVE_TRITON:
         tl.store(DX + rows.to(tl.int64)[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 
-# elements a program holds: BLOCK_N rows of BLOCK_D columns
-_ELEMENTS = 4096
+# a program's launch shape: (elements it holds, BLOCK_N rows of BLOCK_D columns; warps)
+CONFIG = (4096, 4)
 
 
-def _blocks(D: int) -> tuple[int, int]:
+def _launch(D: int, config: tuple[int, int] | None) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_D, num_warps)`` for rows of ``D``."""
+    elements, warps = config or CONFIG
     block_d = triton.next_power_of_2(D)
-    return max(1, _ELEMENTS // block_d), block_d
+    return max(1, elements // block_d), block_d, warps
 
 
 class _L2NormRepeat(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, r: int, eps: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, r: int, eps: float, config) -> torch.Tensor:  # type: ignore[override]
         T, H, D = x.shape
         if x.stride(-1) != 1:
             x = x.contiguous()
         y = torch.empty(T, H * r, D, dtype=x.dtype, device=x.device)
         rstd = torch.empty(T * H, dtype=torch.float32, device=x.device)
         if T * H:
-            block_n, block_d = _blocks(D)
+            block_n, block_d, warps = _launch(D, config)
             _fwd[(triton.cdiv(T * H, block_n),)](x, y, rstd, T * H, H, x.stride(0), x.stride(1), eps, D=D, R=r,
-                                                 BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+                                                 BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)
         ctx.save_for_backward(y, rstd)
-        ctx.r = r
+        ctx.r, ctx.config = r, config
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         y, rstd = ctx.saved_tensors
         T, HR, D = y.shape
         n_rows = T * (HR // ctx.r)
         dx = torch.empty(T, HR // ctx.r, D, dtype=y.dtype, device=y.device)
         if n_rows:
-            block_n, block_d = _blocks(D)
+            block_n, block_d, warps = _launch(D, ctx.config)
             _bwd[(triton.cdiv(n_rows, block_n),)](dy.contiguous(), y, rstd, dx, n_rows, D=D, R=ctx.r,
-                                                  BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
-        return dx, None, None
+                                                  BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)
+        return dx, None, None, None
 
 
-def l2norm_repeat(x: torch.Tensor, r: int, eps: float = 1e-6) -> torch.Tensor:
+def l2norm_repeat(x: torch.Tensor, r: int, eps: float = 1e-6, config: tuple[int, int] | None = None) -> torch.Tensor:
     """``x / sqrt(Σx² + eps)`` over the last dimension of ``x`` ``[T, H, D]``, each head repeated
     ``r`` times (``[T, H·r, D]``, ``repeat_interleave``'s order), in ``x``'s dtype: the kernels on
-    CUDA, else the PyTorch formula (in fp32, or fp64 for fp64 ``x``)."""
+    CUDA (launched with ``config``, default :data:`CONFIG`), else the PyTorch formula (in fp32, or
+    fp64 for fp64 ``x``)."""
     if x.dim() != 3 or r < 1:
         raise ValueError(f"l2norm_repeat takes [T, H, D] heads and r >= 1, got {tuple(x.shape)} and r={r}")
     if use_triton(x) and x.dtype != torch.float64:
-        return _L2NormRepeat.apply(x, r, eps)
+        return _L2NormRepeat.apply(x, r, eps, config)
     f = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(f)
     y = (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)

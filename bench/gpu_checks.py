@@ -18,7 +18,8 @@
   and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
   a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout; the key
   heads' norm and repetition for fla against fp64 and against the path it replaced, with its time;
-  strided copies as 8-byte words against ``contiguous()``
+  strided copies as 8-byte words against ``contiguous()``; the short convolution's kernels against
+  fp64 and fla's, with their time
 * the static decoder (fp32, three adapters) with programmatic dependent launch (``pdl_decode``) and
   with the decode GEMM (``decode_gemm``) against the same decoder without them
 
@@ -830,6 +831,50 @@ def check_l2norm_heads() -> None:
           f"bandwidth: {floor_us:.0f} us); " + ", ".join(f"{c}: {t:.0f}" for c, t in configs.items()))
 
 
+def check_causal_conv() -> None:
+    """The GDN short convolution's kernels (``kernels.causal_conv``: SiLU fused, the backward
+    recomputing the pre-activation) against the fp64 convolution and against fla-core's
+    ``causal_conv1d`` (the path they replaced), at Qwen3-Next's training shape (8 × 2048 tokens,
+    8,192 channels, kernel 4; the weight frozen, as under LoRA): values, input gradients, and the
+    GPU time of forward + backward, with the tile shapes swept."""
+    import torch.nn.functional as F
+    from fla.modules.conv import causal_conv1d
+
+    from ember.core.kernels.causal_conv import CONFIG, positions, silu_causal_conv
+    from ember.core.layers.packed_conv import causal_conv
+
+    torch.manual_seed(0)
+    lens, C, K = [2048] * 8, 8192, 4
+    T = sum(lens)
+    pos = positions(lens).cuda()
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(C, K, device="cuda") * 0.5).to(torch.bfloat16)
+    dy = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
+    y = silu_causal_conv(x, w, pos)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    ref = F.silu(causal_conv(x64, w.double(), lens)[0])
+    (ref_dx,) = torch.autograd.grad(ref, x64, dy.double())
+    report("causal_conv [16384, 8192] out vs fp64", rel(y.detach(), ref.detach()), 4e-3)
+    report("causal_conv input gradient vs fp64", rel(dx, ref_dx), 8e-3)
+
+    def fla():
+        return causal_conv1d(x[None], w, activation="silu", cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)[0][0]
+
+    report("causal_conv vs fla's: out", rel(y.detach(), fla().detach()), 4e-3)
+    configs = {cfg: event_time_ms(lambda cfg=cfg: torch.autograd.grad(silu_causal_conv(x, w, pos, cfg), x, dy),
+                                  3, 20) * 1e3
+               for cfg in ((32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 4), (64, 64, 4), (128, 64, 8))}
+    best = min(configs, key=configs.get)
+    t_fla = event_time_ms(lambda: torch.autograd.grad(fla(), x, dy), 3, 20) * 1e3
+    t_fwd = event_time_ms(lambda: silu_causal_conv(x.detach(), w, pos), 3, 20) * 1e3
+    floor_us = T * C * 2 * 5 / copy_bandwidth() * 1e6  # read x; write y; read x and dy, write dx
+    print(f"  forward + backward: kernel {configs[CONFIG]:.0f} us (default {CONFIG}; forward {t_fwd:.0f} us), "
+          f"best {best} {configs[best]:.0f} us; fla's causal_conv1d {t_fla:.0f} us (the bytes at the copy "
+          f"bandwidth: {floor_us:.0f} us); " + ", ".join(f"{c}: {t:.0f}" for c, t in configs.items()))
+
+
 def check_copies() -> None:
     """Strided bf16 activations made contiguous as 8-byte words (``layers.copies``) against
     ``x.contiguous()``, at the Gated DeltaNet projection's cuts of Qwen3-Next's ``[16384, 16, 768]``
@@ -1055,7 +1100,7 @@ def check_gdn() -> None:
     for i, n in enumerate(["prefill", "decode 1", "decode 2"]):
         report(f"gdn layer fla vs torch {n}", rel(outs["fla"][i], outs["torch"][i]), 2.5e-2)
 
-    # a training pass of the layer (no state: fla's fused conv + SiLU), output and input gradient
+    # a training pass of the layer (no state: the convolution kernel, SiLU fused), output and input gradient
     dy = torch.randn(T, 1024, device=dev, dtype=bf)
     grads = {}
     for backend in ("fla", "torch"):
@@ -1241,6 +1286,7 @@ CHECKS = {
     "router_topk": lambda: check_router_topk(),
     "l2norm_heads": lambda: check_l2norm_heads(),
     "copies": lambda: check_copies(),
+    "causal_conv": lambda: check_causal_conv(),
     "grouped_lora": lambda: check_grouped_lora(),
     "pdl": lambda: check_pdl(),
     "pdl_decode": lambda: check_pdl_decode(),

@@ -1,6 +1,5 @@
 """Which implementation of the gated delta rule a GDN layer takes (fla's kernels only on CUDA)."""
 
-import itertools
 
 import pytest
 import torch
@@ -72,7 +71,7 @@ def test_the_fla_call_follows_fla_s_signatures_and_layouts(monkeypatch, key_head
     """Ember's call of fla (prefill of packed sequences with initial states, then one decode
     token each) against the torch rule, with fla's kernels replaced by its contract in fp64; q and
     k at the key heads (4 value heads: one each, or two value heads a key head)."""
-    monkeypatch.setattr(gd, "_fla_ops", lambda: (_fla_naive, _fla_naive, None))
+    monkeypatch.setattr(gd, "_fla_ops", lambda: (_fla_naive, _fla_naive))
     torch.manual_seed(0)
     H, Hk, dk, dv, lens = 4, key_heads, 8, 6, [5, 9, 3]
     T, r = sum(lens), H // key_heads
@@ -93,29 +92,3 @@ def test_the_fla_call_follows_fla_s_signatures_and_layouts(monkeypatch, key_head
     o, state = gd.fla_gated_delta_rule(q, k, v, g, beta, [1] * len(lens), final, True)
     ref_o, ref_state = gd.recurrent_gated_delta_rule(*normed(q, k), v, g, beta, ref_final)
     assert torch.allclose(o, ref_o, atol=1e-5) and torch.allclose(state, ref_state, atol=1e-5)
-
-
-def _fla_conv_naive(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                    activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
-    """fla-core 0.4.2's ``causal_conv1d`` contract: ``x`` ``[1, T, D]`` packed by ``cu_seqlens``,
-    ``weight`` ``[D, W]`` (``nn.Conv1d``'s taps), ``activation`` ``silu`` or None."""
-    assert x.shape[0] == 1 and bias is None and residual is None and initial_state is None
-    assert activation in (None, "silu") and torch.equal(cu_seqlens, cu_seqlens_cpu)
-    cu, W = cu_seqlens.tolist(), weight.shape[1]
-    parts = [torch.nn.functional.conv1d(x[0, a:b].T[None], weight[:, None], padding=W - 1, groups=weight.shape[0])[0, :, : b - a].T
-             for a, b in itertools.pairwise(cu)]
-    y = torch.cat(parts)
-    return (torch.nn.functional.silu(y) if activation else y)[None], None
-
-
-def test_the_fla_convolution_call_follows_fla_s_signature(monkeypatch):
-    """A stateless pass's short convolution through fla (stand-in of its contract) equals Ember's."""
-    from ember.core.layers.packed_conv import causal_conv
-
-    torch.manual_seed(0)
-    lens, C, K = [7, 1, 12], 6, 4
-    x, w = torch.randn(sum(lens), C), torch.randn(C, K)
-    monkeypatch.setattr(gd, "_fla_ops", lambda: (None, None, _fla_conv_naive))
-    y = gd.fla_silu_conv(x, w, lens)
-    ref = torch.nn.functional.silu(causal_conv(x, w, lens)[0])
-    assert torch.allclose(y, ref, atol=1e-6)

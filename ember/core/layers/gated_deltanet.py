@@ -15,12 +15,13 @@ of one token per sequence uses the recurrent form. Between passes the layer keep
 Two implementations of the rule (:func:`gdn_backend`): ``torch`` — the functions below, in fp32
 (the CPU path and the reference); ``fla`` — flash-linear-attention's Triton kernels
 (``fla-core``, an optional GPU dependency: ``chunk_gated_delta_rule`` over ``cu_seqlens`` for
-training and prefill, ``fused_recurrent_gated_delta_rule`` for decoding, and ``causal_conv1d``
-with the SiLU fused for the short convolution of a pass without carried state), used on CUDA for
+training and prefill, ``fused_recurrent_gated_delta_rule`` for decoding), used on CUDA for
 bf16 and fp16 models when it is installed. fla takes the bf16 q/k/v with q and k at the value
 heads: :func:`~ember.core.kernels.l2norm_heads.l2norm_repeat` normalises each key head once and
-writes its copies (fla 0.4.2 has no grouped value heads), and fla keeps the state in fp32;
-``bench/gpu_checks.py gdn`` compares it with the torch path. fla-core 0.4.2 is the version to
+writes its copies (fla 0.4.2 has no grouped value heads), and fla keeps the state in fp32. With
+the fla backend, a pass without carried state (training, scoring) takes the short convolution and
+its SiLU through :mod:`ember.core.kernels.causal_conv`. ``bench/gpu_checks.py gdn`` compares it
+with the torch path. fla-core 0.4.2 is the version to
 install: from 0.5 on, fla refuses the gated backward on Hopper with Triton 3.4 to 3.7.0 (fla
 issue 640: a Triton codegen bug at a 64-wide key tile), which torch 2.11's Triton 3.6 is;
 0.4.2 tiles keys 128 wide on Hopper, which avoids it, and the GPU check holds its gradients to
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.batch import to_device
+from ember.core.kernels.causal_conv import positions, silu_causal_conv
 from ember.core.kernels.l2norm_heads import l2norm_repeat
 from ember.core.layers.copies import contiguous
 from ember.core.layers.lora import LoraLinear, LoraRoute
@@ -173,15 +175,14 @@ def recurrent_gated_delta_rule(
 
 @cache
 def _fla_ops():
-    """fla's ``(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, causal_conv1d)``, or
-    ``None`` where ``fla-core`` (or Triton) is not installed."""
+    """fla's ``(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)``, or ``None`` where
+    ``fla-core`` (or Triton) is not installed."""
     try:
-        from fla.modules.conv import causal_conv1d as conv
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
     except ImportError:
         return None
-    return chunk, recurrent, conv
+    return chunk, recurrent
 
 
 def _cu_seqlens(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,16 +190,6 @@ def _cu_seqlens(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor
     copy for its chunk indices, so a pass needs no device-to-host sync)."""
     cu_cpu = torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0)
     return to_device(cu_cpu, device), cu_cpu
-
-
-def fla_silu_conv(x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-    """``silu(causal_conv(x))`` of packed ``x`` ``[T, C]`` (``weight`` ``[C, K]``) through fla's
-    Triton kernel, for a pass that carries no state (training, scoring): one kernel forward and
-    one backward, the activation fused, instead of a gather, a transposed ``conv1d`` and a
-    gather back."""
-    cu, cu_cpu = _cu_seqlens(seq_lens, x.device)
-    y, _ = _fla_ops()[2](x[None], weight, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
-    return y[0]
 
 
 def gdn_backend(x: torch.Tensor, requested: str | None = None) -> str:
@@ -231,7 +222,7 @@ def fla_gated_delta_rule(
     ``[T, H]``, ``initial_state`` ``[N, H, dk, dv]`` fp32 or ``None``. One token per sequence with a
     state takes the recurrent kernel. Returns ``o`` ``[T, H, dv]`` (``v``'s dtype) and the final
     fp32 state (``None`` unless ``output_final_state``)."""
-    chunk, recurrent, _ = _fla_ops()
+    chunk, recurrent = _fla_ops()
     scale = q.shape[-1] ** -0.5
     r = v.shape[1] // q.shape[1]
     q, k = l2norm_repeat(q, r), l2norm_repeat(k, r)  # normalised here, not by fla (use_qk_l2norm_in_kernel)
@@ -343,8 +334,8 @@ class GatedDeltaNet(nn.Module):
         state = ctx.state
         qkv, z, b, a = self._project(x, ctx.lora)
         backend = gdn_backend(x, self.backend)
-        if backend == "fla" and state is None:
-            qkv = fla_silu_conv(qkv, self._conv_weight(), seq_lens)
+        if backend == "fla" and state is None:  # a pass without carried state: one kernel each way
+            qkv = silu_causal_conv(qkv, self._conv_weight(), to_device(positions(seq_lens), x.device))
         else:
             conv_history = state.get(self.layer, "conv") if state is not None else None
             qkv, conv_history = causal_conv(qkv, self._conv_weight(), seq_lens, conv_history)

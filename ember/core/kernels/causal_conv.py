@@ -79,7 +79,7 @@ if HAVE_TRITON:
 
 
 # a program's tile: (rows, channels, warps)
-CONFIG = (32, 128, 4)
+CONFIG = (32, 64, 4)
 
 
 def positions(seq_lens: list[int]) -> torch.Tensor:

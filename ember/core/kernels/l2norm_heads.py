@@ -99,6 +99,11 @@ class _L2NormRepeat(torch.autograd.Function):
         return dx, None, None, None
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(Σx² + eps)`` over the last dimension (FLA's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
 def l2norm_repeat(x: torch.Tensor, r: int, eps: float = 1e-6, config: tuple[int, int] | None = None) -> torch.Tensor:
     """``x / sqrt(Σx² + eps)`` over the last dimension of ``x`` ``[T, H, D]``, each head repeated
     ``r`` times (``[T, H·r, D]``, ``repeat_interleave``'s order), in ``x``'s dtype: the kernels on
@@ -108,7 +113,5 @@ def l2norm_repeat(x: torch.Tensor, r: int, eps: float = 1e-6, config: tuple[int,
         raise ValueError(f"l2norm_repeat takes [T, H, D] heads and r >= 1, got {tuple(x.shape)} and r={r}")
     if use_triton(x) and x.dtype != torch.float64:
         return _L2NormRepeat.apply(x, r, eps, config)
-    f = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(f)
-    y = (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    y = l2norm(x.to(torch.promote_types(x.dtype, torch.float32)), eps).to(x.dtype)
     return y.repeat_interleave(r, dim=1) if r > 1 else y

@@ -41,7 +41,7 @@ from torch import nn
 
 from ember.core.batch import to_device
 from ember.core.kernels.causal_conv import positions, silu_causal_conv
-from ember.core.kernels.l2norm_heads import l2norm_repeat
+from ember.core.kernels.l2norm_heads import l2norm, l2norm_repeat
 from ember.core.layers.copies import contiguous
 from ember.core.layers.lora import LoraLinear, LoraRoute
 from ember.core.layers.norms import RMSNorm, gated_rms_norm
@@ -95,11 +95,6 @@ class GDNShape:
     @property
     def value_dim(self) -> int:
         return self.num_v_heads * self.head_v_dim
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(Σx² + eps)`` over the last dimension (FLA's and transformers' form)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def chunk_gated_delta_rule(

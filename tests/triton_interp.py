@@ -29,6 +29,17 @@ def patch_interpreter() -> None:
 
     interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: dot(self, widen(a), widen(b), d, *args)
 
+    # an integer or boolean cast to bf16 keeps its integer value as the uint16 bits (1 reads as 9e-41):
+    # go through fp32, which converts to bf16's bits
+    cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if dst_type.scalar == tl.bfloat16 and not src.dtype.scalar.is_floating():
+            src = cast(self, src, tl.float32)
+        return cast(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl
+
 
 def run_interpreted(script: str, timeout: int = 900) -> str:
     """Run ``script`` in a fresh Python under Triton's interpreter (``TRITON_INTERPRET=1`` is read

@@ -3,10 +3,13 @@
 The Gated DeltaNet layers' short convolution (kernel 4 over the 8,192 q/k/v channels of
 Qwen3-Next) took, through fla-core 0.4.2's kernels, 1.3 ms a layer in an H100 training step
 (profile of 2026-12-06): the forward (216 µs, at the copy bandwidth), and in the backward a second
-forward for the pre-activation, the backward kernel (972 µs) and a fill. Here the backward
-recomputes the pre-activation where it needs it, from ``x`` (its ``K`` shifted tiles come from the
-cache), so it reads ``x`` and ``dy`` and writes ``dx`` once. The weight's gradient (only for full
-fine-tuning: a LoRA run keeps the convolution frozen) is summed per block of rows, then over blocks.
+forward for the pre-activation, the backward kernel (972 µs) and a fill. Here the backward computes
+the pre-activation from ``x`` (its ``K`` shifted tiles come from the cache) and ``g = dy · silu'(a)``
+once per row, then moves ``g`` down the ``K`` taps by products with 0/1 shift matrices on the
+tensor cores (``g`` split into two or three bf16 parts, so the move is exact to fp32's bits that
+matter); a program's rows overlap its neighbour's by ``K - 1``. It reads ``x`` and ``dy`` and writes
+``dx`` once. The weight's gradient (only for full fine-tuning: a LoRA run keeps the convolution
+frozen) is summed per block of rows, then over blocks.
 
 Sequences are packed: ``pos[t]`` is token ``t``'s index in its sequence, and tap ``j`` (reading
 ``x[t - j]``) counts only where ``j <= pos[t]``; so no window crosses a sequence, and no gradient
@@ -50,36 +53,60 @@ if HAVE_TRITON:
                  mask=live[:, None] & cmask[None, :])
 
     @triton.jit
+    def _shifted(S, g1, g2, g3, SPLIT: tl.constexpr):
+        """``S @ g`` for a 0/1 row-shift ``S``, with ``g = g1 + g2 (+ g3)`` split into bf16 parts:
+        tensor-core products that move rows exactly (to ~2^-17, or ~2^-25 with three parts)."""
+        out = tl.dot(S, g1)
+        out = tl.dot(S, g2, out)
+        if SPLIT == 3:
+            out = tl.dot(S, g3, out)
+        return out
+
+    @triton.jit
     def _bwd(X, W, POS, DY, DX, DW, T, C, stride_x, stride_dy, K: tl.constexpr, HAS_DW: tl.constexpr,
-             BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+             SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        # a program computes g = dy · silu'(a) once on BLOCK_T rows and writes dx of the first
+        # BLOCK_T - (K - 1): dx[t] = Σ_j g[t + j] w[:, K-1-j] reads the K - 1 rows below it
+        span = BLOCK_T - (K - 1)
+        local = tl.arange(0, BLOCK_T)
+        rows = tl.program_id(0) * span + local
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         live, cmask = rows < T, cols < C
-        tile = live[:, None] & cmask[None, :]
+        pos = tl.load(POS + rows, mask=live, other=0)
+        a = _preact(X, W, rows, cols, pos, live, cmask, stride_x, K, BLOCK_T, BLOCK_C)
+        dy = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
+                     mask=live[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        s = tl.sigmoid(a)
+        g = dy * s * (1.0 + a * (1.0 - s))  # d silu(a) / da
+        g1 = g.to(tl.bfloat16)
+        rest = g - g1.to(tl.float32)
+        g2 = rest.to(tl.bfloat16)
+        g3 = (rest - g2.to(tl.float32)).to(tl.bfloat16)
+        out = live & (local < span)
+        tile = out[:, None] & cmask[None, :]
         if HAS_DW:
             x_here = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=tile,
                              other=0.0).to(tl.float32)
         dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(K):
-            # output row r = t + j reads x[t] through tap K-1-j, if r is in t's sequence
+            # row t of S @ g is g[t + j]: output row t + j reads x[t] through tap K-1-j, if it is in t's sequence
+            shift = (local[None, :] == local[:, None] + j).to(tl.bfloat16)
             r = rows + j
             pos_r = tl.load(POS + r, mask=r < T, other=0)
-            same = (r < T) & (pos_r >= j) & live
-            a = _preact(X, W, r, cols, pos_r, same, cmask, stride_x, K, BLOCK_T, BLOCK_C)
-            dy = tl.load(DY + r.to(tl.int64)[:, None] * stride_dy + cols[None, :], mask=same[:, None] & cmask[None, :],
-                         other=0.0).to(tl.float32)
-            s = tl.sigmoid(a)
-            g = dy * s * (1.0 + a * (1.0 - s))  # d silu(a) / da
+            same = (r < T) & (pos_r >= j)
+            gj = tl.where(same[:, None], _shifted(shift, g1, g2, g3, SPLIT), 0.0)
             w = tl.load(W + cols * K + (K - 1 - j), mask=cmask, other=0.0).to(tl.float32)
-            dx += g * w[None, :]
+            dx += gj * w[None, :]
             if HAS_DW:  # this block's share of dW[:, K-1-j] = Σ_t g[t + j] x[t]
-                tl.store(DW + (tl.program_id(0) * C + cols) * K + (K - 1 - j), tl.sum(g * x_here, axis=0),
+                tl.store(DW + (tl.program_id(0) * C + cols) * K + (K - 1 - j), tl.sum(gj * x_here, axis=0),
                          mask=cmask)
         tl.store(DX + rows.to(tl.int64)[:, None] * C + cols[None, :], dx.to(DX.dtype.element_ty), mask=tile)
 
 
-# a program's tile: (rows, channels, warps)
+# a program's tile: (rows, channels, warps), of the forward and of the backward (whose rows are at
+# least 16, the tensor cores' shortest side, and overlap by K - 1)
 CONFIG = (32, 64, 4)
+BWD_CONFIG = (64, 64, 4)
 
 
 def positions(seq_lens: list[int]) -> torch.Tensor:
@@ -95,7 +122,8 @@ class SiluCausalConv(torch.autograd.Function):
     output is contiguous, in ``x``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, config=None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, config=None,  # type: ignore[override]
+                bwd_config=None) -> torch.Tensor:
         if x.stride(1) != 1:
             x = x.contiguous()
         weight = weight.contiguous()
@@ -106,7 +134,7 @@ class SiluCausalConv(torch.autograd.Function):
             _fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](x, weight, pos, y, T, C, x.stride(0), K=weight.shape[1],
                                                            BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         ctx.save_for_backward(x, weight, pos)
-        ctx.config = config
+        ctx.bwd_config = bwd_config
         return y
 
     @staticmethod
@@ -114,22 +142,28 @@ class SiluCausalConv(torch.autograd.Function):
         x, weight, pos = ctx.saved_tensors
         T, C = x.shape
         K = weight.shape[1]
-        bt, bc, warps = ctx.config or CONFIG
+        bt, bc, warps = ctx.bwd_config or BWD_CONFIG
+        if bt < 16 or bt <= K - 1:
+            raise ValueError(f"the backward's tile needs at least 16 rows and more than K - 1 = {K - 1}; got {bt}")
         if dy.stride(1) != 1:
             dy = dy.contiguous()
         dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
         has_dw = ctx.needs_input_grad[1]
-        blocks = triton.cdiv(T, bt)
+        blocks = triton.cdiv(T, bt - (K - 1))
         dw = torch.empty(blocks if has_dw else 1, C, K, dtype=torch.float32, device=x.device)
+        # g's bf16 parts: two carry 16 significant bits (past bf16 and fp16 outputs), three fp32's 24
+        split = 3 if x.dtype == torch.float32 else 2
         if T:
             _bwd[(blocks, triton.cdiv(C, bc))](x, weight, pos, dy, dx, dw, T, C, x.stride(0), dy.stride(0), K=K,
-                                               HAS_DW=has_dw, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+                                               HAS_DW=has_dw, SPLIT=split, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         if has_dw:
             dw = dw.sum(0).to(weight.dtype) if T else torch.zeros_like(weight)
-        return dx, dw if has_dw else None, None, None
+        return dx, dw if has_dw else None, None, None, None
 
 
 def silu_causal_conv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor,
-                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """:class:`SiluCausalConv` (``config``: the tile, default :data:`CONFIG`)."""
-    return SiluCausalConv.apply(x, weight, pos, config)
+                     config: tuple[int, int, int] | None = None,
+                     bwd_config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """:class:`SiluCausalConv` (``config``, ``bwd_config``: the tiles, default :data:`CONFIG` and
+    :data:`BWD_CONFIG`)."""
+    return SiluCausalConv.apply(x, weight, pos, config, bwd_config)

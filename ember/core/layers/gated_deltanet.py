@@ -211,12 +211,14 @@ def fla_gated_delta_rule(
     seq_lens: list[int],
     initial_state: torch.Tensor | None,
     output_final_state: bool,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rule through fla's kernels, for packed sequences: ``q, k`` ``[T, Hk, dk]`` (not yet
     normalised; value head ``j`` reads key head ``j // (H / Hk)``), ``v`` ``[T, H, dv]``, ``g, beta``
     ``[T, H]``, ``initial_state`` ``[N, H, dk, dv]`` fp32 or ``None``. One token per sequence with a
     state takes the recurrent kernel. Returns ``o`` ``[T, H, dv]`` (``v``'s dtype) and the final
-    fp32 state (``None`` unless ``output_final_state``)."""
+    fp32 state (``None`` unless ``output_final_state``). ``cu_seqlens``: :func:`_cu_seqlens` of
+    ``seq_lens``, if the caller has it."""
     chunk, recurrent = _fla_ops()
     scale = q.shape[-1] ** -0.5
     r = v.shape[1] // q.shape[1]
@@ -229,7 +231,7 @@ def fla_gated_delta_rule(
             initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
         )
         return o[:, 0], final
-    cu, cu_cpu = _cu_seqlens(seq_lens, q.device)
+    cu, cu_cpu = cu_seqlens or _cu_seqlens(seq_lens, q.device)
     o, final = chunk(
         q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
@@ -330,7 +332,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x, ctx.lora)
         backend = gdn_backend(x, self.backend)
         if backend == "fla" and state is None:  # a pass without carried state: one kernel each way
-            qkv = silu_causal_conv(qkv, self._conv_weight(), to_device(positions(seq_lens), x.device))
+            pos = ctx.memo(("seq_positions", x.device), lambda: to_device(positions(seq_lens), x.device))
+            qkv = silu_causal_conv(qkv, self._conv_weight(), pos)
         else:
             conv_history = state.get(self.layer, "conv") if state is not None else None
             qkv, conv_history = causal_conv(qkv, self._conv_weight(), seq_lens, conv_history)
@@ -340,7 +343,8 @@ class GatedDeltaNet(nn.Module):
         f = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 models)
         g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias)
         if backend == "fla":
-            o, recurrent = fla_gated_delta_rule(q, k, v, g, b.sigmoid(), seq_lens, recurrent, state is not None)
+            cu = ctx.memo(("cu_seqlens", x.device), lambda: _cu_seqlens(seq_lens, x.device))
+            o, recurrent = fla_gated_delta_rule(q, k, v, g, b.sigmoid(), seq_lens, recurrent, state is not None, cu)
         else:
             r = s.num_v_heads // s.num_k_heads  # value head j reads key head j // r
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)

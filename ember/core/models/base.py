@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -61,14 +61,18 @@ class ForwardContext:
     routing: RoutingRecord | None = None
     position_bound: int | None = None
     prefetched: dict[int, torch.Tensor] | None = None
-    _rope: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per pass for ``key`` (what every layer of a kind derives from
+        the batch alone: rotary tables, sequence offsets on the device)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def rope(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of this batch's positions for ``rotary``, computed once per forward."""
-        key = (id(rotary), dtype)
-        if key not in self._rope:
-            self._rope[key] = rotary.cos_sin(self.positions, dtype)
-        return self._rope[key]
+        return self.memo(("rope", id(rotary), dtype), lambda: rotary.cos_sin(self.positions, dtype))
 
 
 @dataclass(frozen=True)

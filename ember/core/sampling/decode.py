@@ -87,13 +87,15 @@ class DecodeContext(ForwardContext):
 
     def rope(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(rotary), dtype)
-        if key not in self._rope:
+
+        def gathered():
             table = self.rope_tables.get(key)
             if table is None:
                 positions = torch.arange(self.max_positions, device=self.positions.device)
                 table = self.rope_tables[key] = rotary.cos_sin(positions, dtype)
-            self._rope[key] = (table[0].index_select(0, self.positions), table[1].index_select(0, self.positions))
-        return self._rope[key]
+            return table[0].index_select(0, self.positions), table[1].index_select(0, self.positions)
+
+        return self.memo(("rope", *key), gathered)
 
 
 def block_table_tensor(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:

@@ -5,9 +5,10 @@ Qwen3-Next) took, through fla-core 0.4.2's kernels, 1.3 ms a layer in an H100 tr
 (profile of 2026-12-06): the forward (216 µs, at the copy bandwidth), and in the backward a second
 forward for the pre-activation, the backward kernel (972 µs) and a fill. Here the backward computes
 the pre-activation from ``x`` (its ``K`` shifted tiles come from the cache) and ``g = dy · silu'(a)``
-once per row, then moves ``g`` down the ``K`` taps by products with 0/1 shift matrices on the
-tensor cores (``g`` split into two or three bf16 parts, so the move is exact to fp32's bits that
-matter); a program's rows overlap its neighbour's by ``K - 1``. It reads ``x`` and ``dy`` and writes
+once per row; each tap's ``g · w`` reaches its output rows through a product with a 0/1 shift
+matrix on the tensor cores (split into two or three bf16 parts, so the move keeps 16 or 24
+significant bits), all taps summed in one accumulator; a program's rows overlap its neighbour's
+by ``K - 1``. It reads ``x`` and ``dy`` and writes
 ``dx`` once. The weight's gradient (only for full fine-tuning: a LoRA run keeps the convolution
 frozen) is summed per block of rows, then over blocks.
 
@@ -53,16 +54,6 @@ if HAVE_TRITON:
                  mask=live[:, None] & cmask[None, :])
 
     @triton.jit
-    def _shifted(S, g1, g2, g3, SPLIT: tl.constexpr):
-        """``S @ g`` for a 0/1 row-shift ``S``, with ``g = g1 + g2 (+ g3)`` split into bf16 parts:
-        tensor-core products that move rows exactly (to ~2^-17, or ~2^-25 with three parts)."""
-        out = tl.dot(S, g1)
-        out = tl.dot(S, g2, out)
-        if SPLIT == 3:
-            out = tl.dot(S, g3, out)
-        return out
-
-    @triton.jit
     def _bwd(X, W, POS, DY, DX, DW, T, C, stride_x, stride_dy, K: tl.constexpr, HAS_DW: tl.constexpr,
              SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         # a program computes g = dy · silu'(a) once on BLOCK_T rows and writes dx of the first
@@ -76,37 +67,38 @@ if HAVE_TRITON:
         a = _preact(X, W, rows, cols, pos, live, cmask, stride_x, K, BLOCK_T, BLOCK_C)
         dy = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
                      mask=live[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        s = tl.sigmoid(a)
-        g = dy * s * (1.0 + a * (1.0 - s))  # d silu(a) / da
-        g1 = g.to(tl.bfloat16)
-        rest = g - g1.to(tl.float32)
-        g2 = rest.to(tl.bfloat16)
-        g3 = (rest - g2.to(tl.float32)).to(tl.bfloat16)
-        out = live & (local < span)
-        tile = out[:, None] & cmask[None, :]
-        if HAS_DW:
-            x_here = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=tile,
-                             other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a)
+        g = dy * sig * (1.0 + a * (1.0 - sig))  # d silu(a) / da
         dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(K):
-            # row t of S @ g is g[t + j]: output row t + j reads x[t] through tap K-1-j, if it is in t's sequence
-            shift = (local[None, :] == local[:, None] + j).to(tl.bfloat16)
-            r = rows + j
-            pos_r = tl.load(POS + r, mask=r < T, other=0)
-            same = (r < T) & (pos_r >= j)
-            gj = tl.where(same[:, None], _shifted(shift, g1, g2, g3, SPLIT), 0.0)
+            # row s reaches output row s - j through tap K-1-j if that row is in its sequence
             w = tl.load(W + cols * K + (K - 1 - j), mask=cmask, other=0.0).to(tl.float32)
-            dx += gj * w[None, :]
-            if HAS_DW:  # this block's share of dW[:, K-1-j] = Σ_t g[t + j] x[t]
-                tl.store(DW + (tl.program_id(0) * C + cols) * K + (K - 1 - j), tl.sum(gj * x_here, axis=0),
-                         mask=cmask)
-        tl.store(DX + rows.to(tl.int64)[:, None] * C + cols[None, :], dx.to(DX.dtype.element_ty), mask=tile)
+            gw = tl.where((pos >= j)[:, None], g, 0.0) * w[None, :]
+            # moved up j rows by a 0/1 product on the tensor cores (shift[t, s] = 1 where s = t + j),
+            # in bf16 parts that add back to gw's leading 16 (two parts) or 24 bits (three)
+            shift = (local[None, :] == local[:, None] + j).to(tl.bfloat16)
+            part = gw.to(tl.bfloat16)
+            dx = tl.dot(shift, part, dx)
+            rest = gw - part.to(tl.float32)
+            part = rest.to(tl.bfloat16)
+            dx = tl.dot(shift, part, dx)
+            if SPLIT == 3:
+                dx = tl.dot(shift, (rest - part.to(tl.float32)).to(tl.bfloat16), dx)
+            if HAS_DW:  # this block's share of dW[:, K-1-j] = Σ_t g[t + j] x[t], over its output rows t
+                t_local = local - j
+                ok = live & (pos >= j) & (t_local >= 0) & (t_local < span)
+                x_t = tl.load(X + (rows - j).to(tl.int64)[:, None] * stride_x + cols[None, :],
+                              mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                tl.store(DW + (tl.program_id(0) * C + cols) * K + (K - 1 - j), tl.sum(g * x_t, axis=0), mask=cmask)
+        out = live & (local < span)
+        tl.store(DX + rows.to(tl.int64)[:, None] * C + cols[None, :], dx.to(DX.dtype.element_ty),
+                 mask=out[:, None] & cmask[None, :])
 
 
 # a program's tile: (rows, channels, warps), of the forward and of the backward (whose rows are at
 # least 16, the tensor cores' shortest side, and overlap by K - 1)
 CONFIG = (32, 64, 4)
-BWD_CONFIG = (64, 64, 4)
+BWD_CONFIG = (64, 64, 8)
 
 
 def positions(seq_lens: list[int]) -> torch.Tensor:

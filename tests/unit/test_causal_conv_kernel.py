@@ -32,11 +32,8 @@ SCRIPT = textwrap.dedent(
         return float((a.double() - b).norm() / b.norm())
 
     # sequences shorter than the kernel, of one token, rows and channels not multiples of the
-    # tile (the backward's overlapping row blocks: 13 new rows a block of 16); the input a strided
-    # cut of a wider projection; K = 4 and 3
-    cases = (([1, 2, 7, 3, 30], 40, 4, (16, 32, 4), (16, 32, 4)), ([5], 16, 3, None, None),
-             ([9, 4], 130, 4, (8, 64, 2), (32, 64, 4)))
-    for lens, C, K, config, bwd_config in cases:
+    # tile; the input a strided cut of a wider projection; K = 4 and 3
+    for lens, C, K, config in (([1, 2, 7, 3, 30], 40, 4, (16, 32, 4)), ([5], 16, 3, None), ([9, 4], 130, 4, (8, 64, 2))):
         T = sum(lens)
         pos = positions(lens)
         for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
@@ -44,7 +41,7 @@ SCRIPT = textwrap.dedent(
             x = wide[:, 8:8 + C].requires_grad_()
             w = (torch.randn(C, K) * 0.5).to(dtype).requires_grad_()
             dy = torch.randn(T, C).to(dtype)
-            y = silu_causal_conv(x, w, pos, config, bwd_config)
+            y = silu_causal_conv(x, w, pos, config)
             dx, dw = torch.autograd.grad(y, (x, w), dy)
             ref_y, ref_dx, ref_dw = reference(x, w, lens, dy)
             assert y.dtype == dtype and y.is_contiguous() and dx.shape == x.shape and dw.dtype == dtype
@@ -52,7 +49,7 @@ SCRIPT = textwrap.dedent(
                 err = rel(got.detach(), want)
                 assert err < tol, (lens, C, K, dtype, name, err)
             # a frozen weight: no weight gradient asked for, the same input gradient
-            (dx_frozen,) = torch.autograd.grad(silu_causal_conv(x, w.detach(), pos, config, bwd_config), x, dy)
+            (dx_frozen,) = torch.autograd.grad(silu_causal_conv(x, w.detach(), pos, config), x, dy)
             assert torch.equal(dx_frozen, dx)
     print("ok")
     """

@@ -61,7 +61,7 @@ class ForwardContext:
     routing: RoutingRecord | None = None
     position_bound: int | None = None
     prefetched: dict[int, torch.Tensor] | None = None
-    _memo: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, init=False, repr=False)  # a replace() starts empty
 
     def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per pass for ``key`` (what every layer of a kind derives from

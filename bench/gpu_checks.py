@@ -14,6 +14,9 @@
 * Qwen3.8-Flash-Next's hyper-connection kernels vs eager, and their time
 * rebuilt activations: a mixed-adapter MoE pass with and without them (logprobs, gradients, bytes
   kept), and the MoE combine kernel against fp32
+* the MoE LoRA kernels: the expand added in place (``grouped_lora``) and the shrink factor's
+  gradient over gathered rows (``gathered_wgrad``) against the grouped products they replace, with
+  their time
 * the Gated DeltaNet rule through fla (bf16, chunked over packed sequences with initial states,
   and the recurrent decode step) vs Ember's fp32 PyTorch rule (outputs, final states, gradients),
   a GDN layer with fla vs torch, and fla's time at 8k tokens in Qwen3-Next's head layout; the key
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import copy_bandwidth, event_time_ms, graph_us
 from ember.core.adapters import LoraConfig
 from ember.core.config import AttentionSpec, config_from_hf
-from ember.core.kernels.grouped import grouped_linear, offsets_from_sizes
+from ember.core.kernels.grouped import grouped_linear, grouped_wgrad, offsets_from_sizes
 from ember.core.layers.attention import PackedAttention, _varlen_fn
 from ember.core.loading import random_model
 from ember.engine.worker import Worker
@@ -106,8 +109,6 @@ def check_grouped() -> None:
         ref.append(x[start : start + n].float() @ w[g].float().T)
         start += n
     report("grouped_linear bf16", rel(y, torch.cat(ref)), 1e-2)
-    from ember.core.kernels.grouped import grouped_wgrad
-
     gy = torch.randn(3000, 256, device="cuda", dtype=torch.bfloat16)
     gw = grouped_wgrad(gy, x, offs)
     ref_w, start = [], 0
@@ -760,6 +761,44 @@ def check_grouped_lora() -> None:
                   + ", ".join(f"{c}: {t:.0f}" for c, t in times.items()))
 
 
+def check_gathered_wgrad() -> None:
+    """The LoRA shrink factor's gradient over gathered rows (``kernels.gathered_wgrad``) against
+    what it replaces, the gather ``x[rows]`` and ``torch._grouped_mm`` (bf16, rank 32), at
+    Qwen3-Next's (512 experts, 16,384 tokens, top-10, hidden 2048) and Qwen3-30B-A3B's (128
+    experts, top-8) training shapes, rows sorted by expert as an MoE layer sorts them: values against
+    the fp32 sum; GPU time of each, and of the kernel's tile shapes, in a CUDA graph."""
+    from ember.core.kernels import gathered_wgrad
+
+    torch.manual_seed(0)
+    for label, T, k, E, H in (("qwen3-next", 16384, 10, 512, 2048), ("qwen3-30b-a3b", 16384, 8, 128, 2048)):
+        experts = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)]).reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        rows = torch.arange(T, device="cuda").repeat_interleave(k)[order]
+        offs = torch.searchsorted(experts[order], torch.arange(1, E + 1, device="cuda")).to(torch.int32)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        gh = (torch.randn(T * k, 32, device="cuda") * 0.1).to(torch.bfloat16)
+        start, ref = 0, []
+        for end in offs.tolist():  # fp32 reference, one expert at a time
+            ref.append(gh[start:end].float().T @ x[rows[start:end]].float())
+            start = end
+        ref = torch.stack(ref)
+        got = gathered_wgrad.wgrad_gathered(gh, x, rows, offs)
+        report(f"gathered_wgrad {label} [{T * k}, {H}] rank 32: against fp32", rel(got, ref), 4e-3)
+        report(f"gathered_wgrad {label}: the same as gather + grouped_mm",
+               rel(got, grouped_wgrad(gh, x[rows], offs)), 4e-3)
+        two = _graph_time_us(lambda gh=gh, x=x, r=rows, o=offs: grouped_wgrad(gh, x[r], o), inner=5, reps=20)
+        times = {}
+        for cfg in ((64, 128, 4), (32, 128, 4), (64, 256, 8), (64, 64, 4), (128, 128, 8)):
+            times[cfg] = _graph_time_us(
+                lambda gh=gh, x=x, r=rows, o=offs, cfg=cfg: gathered_wgrad.wgrad_gathered(gh, x, r, o, config=cfg),
+                inner=5, reps=20)
+        best = min(times, key=times.get)
+        gb = (rows.numel() * H * 2 + gh.numel() * 2 + E * 32 * H * 2) / 1e9
+        print(f"  {label}: gather + grouped_mm {two:.0f} us; kernel {times[gathered_wgrad.CONFIG]:.0f} us (default), "
+              f"best {best} {times[best]:.0f} us = {gb / times[best] * 1e6:.0f} GB/s of its bytes; "
+              + ", ".join(f"{c}: {t:.0f}" for c, t in times.items()))
+
+
 def check_router_topk() -> None:
     """The router's top-k kernel (``kernels.router_topk``) against ``torch.topk`` on softmax
     probabilities of bf16 logits (equal scores are common there): the same values in the same
@@ -1293,6 +1332,7 @@ CHECKS = {
     "copies": lambda: check_copies(),
     "causal_conv": lambda: check_causal_conv(),
     "grouped_lora": lambda: check_grouped_lora(),
+    "gathered_wgrad": lambda: check_gathered_wgrad(),
     "pdl": lambda: check_pdl(),
     "pdl_decode": lambda: check_pdl_decode(),
     "decode_gemm": lambda: check_decode_gemm_decode(),

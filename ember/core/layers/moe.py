@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.core.config import MoEConfig
-from ember.core.kernels import expert_decode, grouped_lora, router_topk
+from ember.core.kernels import expert_decode, gathered_wgrad, grouped_lora, router_topk
 from ember.core.kernels import sum_rows as row_kernels
 from ember.core.kernels.grouped import grouped_linear, grouped_wgrad
 from ember.core.layers.activations import silu_mul_packed
@@ -111,7 +111,8 @@ class _ExpertProjection(torch.autograd.Function):
 
     ``y = xs @ W[e].T + (s_row · xs @ A[g].T) @ B[g].T`` where ``xs = x[rows]`` (the gathered input
     rows), ``e`` the expert of a row and ``g`` its LoRA group. The gathered ``[T·k, H]`` rows are
-    NOT kept: backward gathers them again from ``x``. That, folding the routing weights into the
+    NOT kept: backward reads them from ``x`` by index (:mod:`ember.core.kernels.gathered_wgrad`, on
+    CUDA) or gathers them again. That, folding the routing weights into the
     activation (:meth:`Experts.activation`) and rebuilding the activation's output
     (:mod:`ember.core.rebuild`) keep an MoE layer's saved activations near ``[T·k, 2·I]`` instead of
     ``[T·k, 2·H + 3·I]``.
@@ -147,9 +148,16 @@ class _ExpertProjection(torch.autograd.Function):
         x, rows, weight, offsets, lora_offsets, lora_scale, A, B, h = ctx.saved_tensors
         if not ctx.split or ctx.folded:
             g_correction = gy
-        xs = x if rows is None else x[rows]
+        xs = x if rows is None else None  # the gathered rows, made again only where a product needs them
+
+        def gathered():
+            nonlocal xs
+            if xs is None:
+                xs = x[rows]
+            return xs
+
         gxs = grouped_linear(gy, weight.transpose(1, 2), offsets)
-        gW = grouped_wgrad(gy, xs, offsets) if ctx.needs_input_grad[2] else None
+        gW = grouped_wgrad(gy, gathered(), offsets) if ctx.needs_input_grad[2] else None
         gA = gB = gxs_lora = None
         if A is not None and g_correction is not None:
             gh = grouped_linear(g_correction, B.transpose(1, 2), lora_offsets)
@@ -160,7 +168,10 @@ class _ExpertProjection(torch.autograd.Function):
                 grouped_lora.expand_add(gxs, gh, A_t, lora_offsets)  # the input's two gradients, one pass
             else:
                 gxs_lora = grouped_linear(gh, A_t, lora_offsets)
-            gA = grouped_wgrad(gh, xs, lora_offsets)
+            if rows is not None and gathered_wgrad.available(gh, x):
+                gA = gathered_wgrad.wgrad_gathered(gh, x, rows, lora_offsets)  # x's rows read by index
+            else:
+                gA = grouped_wgrad(gh, gathered(), lora_offsets)
         if rows is not None and ctx.inverse is not None:
             # each token's rows summed with the correction's in one pass (no [T·k, H] sum first)
             gx = sum_rows(gxs, ctx.inverse, x.shape[0], extra=gxs_lora).to(x.dtype)

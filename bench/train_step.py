@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
+import shutil
 import sys
 import time
 import traceback
@@ -107,6 +109,31 @@ def requests(slots: list[int], seqs: list[np.ndarray]) -> list[ForwardBackwardIn
     return [ForwardBackwardInput(s, d, "cross_entropy") for s, d in per.items() if d]
 
 
+def gpu_idle(prof, top: int = 20) -> str:
+    """Where the GPU waited in a profiled step: its kernels' span against their busy time, and the
+    longest gaps between one kernel's end and the next one's start, with the kernels on each side
+    (a gap after a host wait, or where the host launches slower than the GPU runs)."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not kernels:
+        return "no GPU kernels profiled"
+    gaps, end, busy, last = [], kernels[0].time_range.start, 0, kernels[0]
+    for k in kernels:  # the union of the kernels' intervals (concurrent kernels count once)
+        if k.time_range.start > end:
+            gaps.append((k.time_range.start - end, last.name, k.name))
+        busy += max(0, k.time_range.end - max(k.time_range.start, end))
+        if k.time_range.end > end:
+            end, last = k.time_range.end, k
+    span = end - kernels[0].time_range.start
+    head = (f"GPU: {len(kernels)} kernels over {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle "
+            f"{(span - busy) / 1e3:.1f} ms in {len(gaps)} gaps ({sum(g > 20 for g, _, _ in gaps)} over 20 us)")
+    lines = [head]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap:8.0f} us  after {before[:60]}  before {after[:60]}")
+    return "\n".join(lines)
+
+
 def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, rank: int, warmup, iters,
               profile_dir=None, targets=("attn", "mlp"), micro: int = 1, sync_check: bool = False):
     worker = Worker(model, max_adapters=bank_slots, max_rank=max(64, rank))
@@ -164,8 +191,15 @@ def run_ember(model, hf_cfg, seqs, n_adapters: int, bank_slots: int, fill: int, 
         nested = averages.table(sort_by="cuda_time_total", row_limit=40)
         shapes = prof.key_averages(group_by_input_shape=True).table(
             sort_by="self_cuda_time_total", row_limit=150, max_shapes_column_width=90)
+        idle = gpu_idle(prof)
         (profile_dir / f"profile_ember_{n_adapters}x{bank_slots}.txt").write_text(
-            table + "\n\n" + nested + "\n\n" + shapes)
+            idle + "\n\n" + table + "\n\n" + nested + "\n\n" + shapes)
+        trace = profile_dir / f"trace_ember_{n_adapters}x{bank_slots}.json"
+        prof.export_chrome_trace(str(trace))  # the timeline, gzipped (chrome://tracing, Perfetto)
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+        print(idle)
         print(table[:6000])
         print(shapes[:9000])
     trainable = worker.adapter(used[0]).num_parameters()

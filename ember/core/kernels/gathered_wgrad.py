@@ -46,7 +46,7 @@ if fused.HAVE_TRITON:
         tl.store(out, tl.trans(acc).to(OUT.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-CONFIG = (64, 128, 4)  # a program's rows a step and columns, and its warps (ranks up to 32)
+CONFIG = (32, 128, 4)  # a program's rows a step and columns, and its warps (ranks up to 32)
 R_MAX = 128  # ranks the kernel takes (the [rank, columns] fp32 sum stays in registers)
 
 

@@ -20,7 +20,8 @@ def to_device(values: torch.Tensor | Sequence, device: torch.device | str, dtype
         t = t.to(dtype)
     if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # not t.pin_memory(): no is_pinned query
+    return pinned.copy_(t).to(device, non_blocking=True)
 
 
 @dataclass
@@ -68,8 +69,8 @@ def pack(sequences: Sequence[Sequence[int]], slots: Sequence, device: torch.devi
     for i in order:
         n = lengths[i]
         starts[i] = offset
-        ids.extend(int(t) for t in sequences[i])
-        pos.extend(range(n))
+        ids.append(torch.as_tensor(sequences[i], device="cpu").reshape(-1).long())  # not token by token in Python
+        pos.append(torch.arange(n))
         doc_lengths.append(n)
         if groups and groups[-1][0] == slots[i]:
             groups[-1] = (slots[i], groups[-1][1], offset + n)
@@ -77,8 +78,8 @@ def pack(sequences: Sequence[Sequence[int]], slots: Sequence, device: torch.devi
             groups.append((slots[i], offset, offset + n))
         offset += n
     return PackedBatch(
-        input_ids=to_device(ids, device, torch.long),
-        positions=to_device(pos, device, torch.long),
+        input_ids=to_device(torch.cat(ids), device),
+        positions=to_device(torch.cat(pos), device),
         doc_lengths=doc_lengths,
         starts=starts,
         lengths=lengths,

@@ -468,10 +468,16 @@ class Worker:
             if total is not None:
                 total.backward()
         # a read between the forward and the backward would drain the GPU's queue, which would then
-        # idle while the host launches the backward's first kernels
+        # idle while the host launches the backward's first kernels; after it, one read for all
+        values = []
+        for _, loss, metrics, lps in results:
+            values += [loss, *(v for v in metrics.values() if isinstance(v, torch.Tensor)), *lps]
+        host = iter(_to_host(values))
         for i, loss, metrics, lps in results:
-            metrics = {k: float(v) for k, v in metrics.items()} | {"loss:sum": float(loss)}
-            outputs[i] = ForwardBackwardOutput(logprobs=[x.float().cpu().numpy() for x in lps], metrics=metrics)
+            loss = float(next(host))
+            metrics = {k: float(next(host)) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
+            outputs[i] = ForwardBackwardOutput(logprobs=[next(host).astype(np.float32) for _ in lps],
+                                               metrics=metrics | {"loss:sum": loss})
         return outputs
 
     def _pass(
@@ -739,6 +745,21 @@ def _match(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if targets.dim() == 1:
         return lp[:, 0]
     return lp[:, : targets.shape[1]]
+
+
+def _to_host(tensors: list[torch.Tensor], device: torch.device | None = None) -> list[np.ndarray]:
+    """``tensors`` as float64 arrays of their shapes, those on ``device`` (default: the first
+    accelerator's) through one copy: read one by one, each would wait for the GPU and copy on its
+    own (eight datums' logprobs, their losses and metrics: a dozen waits at the end of a training
+    step). float64 holds fp32 and fp64 values exactly."""
+    device = device or next((t.device for t in tensors if t.device.type != "cpu"), None)
+    on_device = [t for t in tensors if t.device == device]
+    flat = iter([])
+    if on_device:
+        host = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in on_device]).cpu().numpy()
+        flat = iter(np.split(host, np.cumsum([t.numel() for t in on_device])[:-1]))
+    return [next(flat).reshape(t.shape) if t.device == device else t.detach().to(torch.float64).numpy()
+            for t in tensors]
 
 
 def _request_loss(

@@ -86,3 +86,21 @@ def test_reset_restores_the_seeded_initial_state(worker):
     for k, t in worker.adapter(slot).tensors().items():
         assert torch.equal(t, initial[k])
     assert worker.adapter(slot).optimizer.opt.state == {}
+
+
+def test_read_back_in_one_copy_keeps_shapes_and_values():
+    """``_to_host``: the tensors on one device through one concatenated copy, split back to their
+    shapes with their values exact (fp32 and fp64, ints, empty ones); tensors elsewhere alone."""
+    import numpy as np
+    import torch
+
+    from ember.engine.worker import _to_host
+
+    values = [torch.tensor(1.5), torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7,
+              torch.tensor([0.1], dtype=torch.float64), torch.zeros(0, 2), torch.tensor(3), torch.randn(4).to(torch.bfloat16)]
+    for device in (torch.device("cpu"), None):  # cpu: as if it were the accelerator (the one-copy path)
+        got = _to_host(values, device)
+        assert len(got) == len(values)
+        for g, v in zip(got, values):
+            assert g.shape == tuple(v.shape) and g.dtype == np.float64
+            assert np.array_equal(g, v.double().numpy())

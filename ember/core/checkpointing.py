@@ -57,6 +57,7 @@ layers whose checkpointing makes up the difference (``auto`` checkpoints only th
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -321,10 +322,21 @@ def _mla_elements(mla) -> int:
     return 2 * n * qk + values + n * max(v, qk) + (mla.q_lora_rank or 0) + mla.kv_lora_rank
 
 
+_ELEMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def layer_elements(model: CausalLM, rebuilt: bool = True) -> list[int]:
     """The estimate above for each decoder layer of ``model`` (elements per token, whole widths:
     the model's config, not this rank's shards); without ``rebuilt``, plus what rebuilding saves
-    (a pass that keeps every saved activation: :mod:`ember.core.rebuild` off)."""
+    (a pass that keeps every saved activation: :mod:`ember.core.rebuild` off). Worked out once per
+    model (a walk over every layer's modules; a training pass asks three times)."""
+    known = _ELEMENTS.setdefault(model, {})
+    if rebuilt not in known:
+        known[rebuilt] = _layer_elements(model, rebuilt)
+    return list(known[rebuilt])
+
+
+def _layer_elements(model: CausalLM, rebuilt: bool) -> list[int]:
     cfg = model.config
     H = cfg.hidden_size
     streams = int(getattr(model.model, "streams", 1))  # qwen4_exp's hyper-connection streams

@@ -41,6 +41,24 @@ class AdamParams:
                 raise ValueError(f"adam_params.{name}={value} is out of range")
 
 
+def read_later(value: torch.Tensor) -> Callable[[], float]:
+    """A scalar's value on the host, read without waiting for work queued after it: on CUDA a
+    copy into pinned memory and an event now, and the wait (for that copy alone) when the result
+    is asked for."""
+    if value.device.type != "cuda":
+        return lambda: float(value)
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value.detach().reshape(()), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def result() -> float:
+        done.synchronize()
+        return float(host)
+
+    return result
+
+
 class AdapterOptimizer:
     """``torch.optim.AdamW`` (fused on CUDA) plus ``clip_grad_norm_`` over one adapter's parameters."""
 
@@ -63,19 +81,17 @@ class AdapterOptimizer:
         for group in self.opt.param_groups:
             group.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
         grads = [p.grad for p in self.params if p.grad is not None]
-        max_norm = hp.grad_clip_norm if hp.grad_clip_norm > 0 else float("inf")
-        norm = 0.0
+        norm = None
         if grads:
             total = grad_norm() if grad_norm is not None else torch.nn.utils.get_total_norm(grads)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            norm, scale = torch.stack([total, coef]).tolist()  # one read back
-            # clip_grad_norm_'s scaling, skipped where its coefficient is exactly 1 (always without
-            # clipping): a pass over every gradient (2.2 ms a step for Qwen3-Next's 746M factors)
-            if not scale >= 1.0:
+            if hp.grad_clip_norm > 0:  # clip_grad_norm_'s scaling, on the device (nothing read back first)
+                coef = torch.clamp(hp.grad_clip_norm / (total + 1e-6), max=1.0)
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
+            norm = read_later(total)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": norm}
+        # the norm read once the update is queued: the host goes on while the GPU updates
+        return {"grad_norm": norm() if norm is not None else 0.0}
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping."""

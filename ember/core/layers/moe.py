@@ -112,10 +112,9 @@ class _ExpertProjection(torch.autograd.Function):
     ``y = xs @ W[e].T + (s_row · xs @ A[g].T) @ B[g].T`` where ``xs = x[rows]`` (the gathered input
     rows), ``e`` the expert of a row and ``g`` its LoRA group. The gathered ``[T·k, H]`` rows are
     NOT kept: backward reads them from ``x`` by index (:mod:`ember.core.kernels.gathered_wgrad`, on
-    CUDA) or gathers them again. That, folding the routing weights into the
-    activation (:meth:`Experts.activation`) and rebuilding the activation's output
-    (:mod:`ember.core.rebuild`) keep an MoE layer's saved activations near ``[T·k, 2·I]`` instead of
-    ``[T·k, 2·H + 3·I]``.
+    CUDA) or gathers them again. That, folding the routing weights into the activation
+    (:meth:`Experts.activation`) and rebuilding the activation's output (:mod:`ember.core.rebuild`)
+    keep an MoE layer's saved activations near ``[T·k, 2·I]`` instead of ``[T·k, 2·H + 3·I]``.
 
     On CUDA the correction is added into the base product's rows in place, in one pass
     (:mod:`ember.core.kernels.grouped_lora`), and the same for the input's two gradients. Elsewhere,

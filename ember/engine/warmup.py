@@ -15,11 +15,15 @@ optimizer step, no slot kept, no KV cache held, and passes this short do not fee
 activation-memory estimate of ``auto`` checkpointing (``ember.engine.worker.MEASURE_MIN_TOKENS``).
 fla's autotuning keys hold head counts and sizes but not the sequence length, so what a short pass
 tunes serves every pass. CUDA graphs of decode steps are captured again at the first real sample.
+Triton keeps the compiled kernels and, on an engine's GPU, the autotuning choices
+(:func:`keep_autotuning`) in its cache directory, so a restart on the same machine warms up in
+seconds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -33,6 +37,17 @@ log = logging.getLogger(__name__)
 LENGTHS = (192, 320)  # tokens of the two warm-up training passes
 PROMPT, NEW = 16, 4  # the warm-up sample's prompt and new tokens
 MODES = WARMUP_MODES
+
+
+def keep_autotuning() -> None:
+    """Have Triton keep its autotuning results on disk, beside its compiled kernels
+    (``TRITON_CACHE_AUTOTUNING``; a value the user set wins). An engine started again on the same
+    machine then reads fla's choices instead of timing every configuration again. On an H100, a
+    Qwen3-Next-8l process's first step took 22 s with the compiled kernels cached and 5-7 s with the
+    choices cached too (docs/performance.md, 2026-12-06, fourteenth session). Triton reads the
+    setting when a module's kernels are decorated, so this runs before fla is imported (the Gated
+    DeltaNet layers import it at their first pass on CUDA)."""
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
 def wants_warm_up(mode: str, device: str) -> bool:

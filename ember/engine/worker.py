@@ -63,6 +63,7 @@ from ember.core.stable_reinforce import stable_reinforce
 from ember.engine.custom_loss import LossProgram
 from ember.engine.full_runs import FullRuns, NoRoom, Weights
 from ember.engine.sampler import generation_request, sample_output
+from ember.engine.warmup import keep_autotuning
 from ember.engine_flags import CHECKPOINTING_MODES
 from ember.lossdefs import LOSS_SPECS, LossSpec, resolve_loss_config
 from ember.lossgraph import ProgramError
@@ -131,6 +132,8 @@ class Worker:
         self.config = model.config
         self.bank = AdapterBank(model, max_adapters=max_adapters, max_rank=max_rank)
         self.device = self.bank.device
+        if self.device.type == "cuda":
+            keep_autotuning()
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         self.logprob_chunk = logprob_chunk
         if rollout_precision is not None:  # overrides sampler_config's (ember.core.rollout_precision)

@@ -2,13 +2,14 @@
 nothing behind."""
 
 import logging
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from ember.core.adapters import LoraConfig
-from ember.engine.warmup import wants_warm_up, warm_up
+from ember.engine.warmup import keep_autotuning, wants_warm_up, warm_up
 from ember.engine.worker import Worker
 from ember.types import Datum, ForwardBackwardInput
 
@@ -19,6 +20,15 @@ def test_when_the_engine_warms_up():
     assert wants_warm_up("on", "cpu")
     with pytest.raises(ValueError, match="warm-up must be one of"):
         wants_warm_up("sometimes", "cuda")
+
+
+def test_triton_keeps_autotuning_results_unless_the_user_said_otherwise(monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    keep_autotuning()
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    keep_autotuning()
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"
 
 
 def _step(worker: Worker) -> tuple[float, torch.Tensor]:

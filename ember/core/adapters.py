@@ -21,6 +21,41 @@ from ember.core.optim import AdapterOptimizer
 CATEGORIES = ("attn", "mlp", "unembed")
 
 
+class _CastSplit(torch.autograd.Function):
+    """``flat.to(dtype).split(sizes)`` whose backward casts each piece's gradient straight into
+    its slice of one vector in ``flat``'s dtype. Autograd's own backward of the split and the cast
+    concatenates the pieces' gradients in ``dtype`` and then casts that: two passes over every
+    factor of the adapter, on the step's critical path at the end of the backward (746 M factors
+    for Qwen3-Next-8l's LoRA on its experts: about 3.5 ms on an H100, profile of 2026-12-06)."""
+
+    @staticmethod
+    def forward(ctx, flat, dtype, sizes):
+        ctx.sizes, ctx.flat_dtype = sizes, flat.dtype
+        ctx.set_materialize_grads(False)  # a piece no product used sends None: its slice is zeroed
+        return tuple(flat.to(dtype).split(sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        device = next((g.device for g in grads if g is not None), None)
+        if device is None:
+            return None, None, None
+        out = torch.empty(sum(ctx.sizes), dtype=ctx.flat_dtype, device=device)
+        for piece, g in zip(out.split(ctx.sizes), grads):
+            if g is None:
+                piece.zero_()
+            else:
+                piece.copy_(g.reshape(-1))  # the cast, into place
+        return out, None, None
+
+
+def cast_split(flat: torch.Tensor, dtype: torch.dtype, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """``flat`` in ``dtype``, cut into pieces of ``sizes`` elements (one cast for all of them); the
+    gradients of the pieces come back as one gradient of ``flat`` in its own dtype."""
+    if dtype == flat.dtype or not (flat.requires_grad and torch.is_grad_enabled()):
+        return torch.split(flat.to(dtype), sizes)
+    return _CastSplit.apply(flat, dtype, sizes)
+
+
 class AdapterBankFull(RuntimeError):
     """Every adapter slot is in use."""
 
@@ -87,8 +122,8 @@ class Adapter:
             name: config.rank / a[-2] for name, a, _ in layout if config.normalize_moe_lora and a[-2] != config.rank
         }
 
-    def _views(self, flat: torch.Tensor) -> dict[str, LoraWeights]:
-        pieces = torch.split(flat, self._sizes)
+    def _views(self, flat: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, LoraWeights]:
+        pieces = cast_split(flat, dtype or flat.dtype, self._sizes)
         out = {}
         for i, (name, a, b) in enumerate(self.layout):
             out[name] = LoraWeights(pieces[2 * i].view(a), pieces[2 * i + 1].view(b))
@@ -101,7 +136,7 @@ class Adapter:
     def view(self, dtype: torch.dtype, trainable: bool = True) -> AdapterView:
         """The factors for one forward pass, in ``dtype`` (one cast for the whole adapter)."""
         flat = self.flat if trainable else self.flat.detach()
-        weights = self._views(flat.to(dtype))
+        weights = self._views(flat, dtype)
         for name, mult in self.scale_multipliers.items():
             weights[name] = LoraWeights(weights[name].A, weights[name].B * mult)
         return AdapterView(weights, self.scale)

@@ -20,7 +20,7 @@ def test_cast_split_gives_autograds_pieces_and_gradient():
             b = torch.split(theirs.to(dtype), sizes)
             assert all(x.dtype == dtype and torch.equal(x, y) for x, y in zip(a, b))
 
-            def loss(pieces, unused=unused):
+            def loss(pieces, unused=unused, weights=weights):
                 return sum((p.view(-1, 1) * w.view(-1, 1) * 3).sum()
                            for i, (p, w) in enumerate(zip(pieces, weights)) if i != unused)
 

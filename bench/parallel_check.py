@@ -194,8 +194,8 @@ def main() -> None:
         "dtype": str(DTYPE), "device": DEVICE,
         "logprobs": {k: {"max": float(v.max()), "mean": float(v.mean())} for k, v in lp.items()},
         "grads": {"parallel": _grad_errors(g_par, g_ref), "noise": _grad_errors(g_fp32, g_ref)},
-        # what optim_step reports (one process: an fp32 norm of the flat gradient), and the fp64
-        # norm of the one process's exported gradient
+        # what optim_step reports (ember.core.optim.total_norm: fp32 partial sums on CUDA, float64
+        # on the CPU), and the fp64 norm of the one process's exported gradient
         "grad_norm": {"one process": ref["grad_norm"], "parallel": par["grad_norm"], "fp32": noise["grad_norm"],
                       "exact": sum(float(v.norm() ** 2) for v in g_ref.values()) ** 0.5},
         "samples": {"parallel": _samples(par["samples"], ref["samples"]),

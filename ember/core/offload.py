@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ember.core.optim import AdamParams
+from ember.core.optim import AdamParams, total_norm
 
 STORAGES = ("none", "host", "disk:DIR")
 
@@ -217,7 +217,7 @@ class MasterAdamW:
         if not live:
             return {"grad_norm": 0.0}
         grads = [self.params[i].grad for i in live]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        norm = total_norm(grads)
         max_norm = hp.grad_clip_norm if hp.grad_clip_norm > 0 else math.inf
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for i in live:

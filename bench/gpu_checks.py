@@ -751,7 +751,8 @@ def check_grouped_lora() -> None:
                    rel(got, ref), 4e-3)
             two = _graph_time_us(lambda y=y, h=h, B=B, o=offs: y + grouped_linear(h, B, o), inner=5, reps=20)
             times = {}
-            for cfg in ((64, 128, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (64, 64, 4)):
+            for cfg in ((64, 128, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (64, 64, 4), (64, 128, 8),
+                        (32, 128, 4), (128, 64, 4), (32, 64, 2)):
                 times[cfg] = _graph_time_us(
                     lambda y=y, h=h, B=B, o=offs, cfg=cfg: grouped_lora.expand_add(y, h, B, o, cfg), inner=5, reps=20)
             best = min(times, key=times.get)

@@ -331,10 +331,12 @@ INKLING2_SMALL_3L = {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Tiny CPU smoke shapes, one per family. Except TINY / TINY_MOE (the original smoke shapes), the field
-# values are the tiny configs the parity tests build and check against transformers (file named
-# above each), so every one is known to build; fields transformers' config class would fill with
-# a default that Ember's reader does not share are spelled out.
+# Tiny CPU smoke shapes, one per family. Except TINY / TINY_MOE (the original smoke shapes) and
+# TINY_LLAMA (a copy of tests/tiny_models.py's llama config), these are the one source of the tiny
+# configs the parity tests build and check against transformers: the test file named above each
+# imports its config from here (adding initializer_range, and overriding or leaving out the odd field
+# where noted there), so every one is known to build; fields transformers' config class would fill
+# with a default that Ember's reader does not share are spelled out.
 # ---------------------------------------------------------------------------------------------
 
 # qwen3
@@ -387,9 +389,10 @@ TINY_LLAMA = {
     "tie_word_embeddings": False,
 }
 
-# deepseek_v3: tests/parity/test_deepseek_v3.py BASE + case "deepseek_yarn" (q latent, 4 groups of
-# which 2 kept, two shared experts, one dense layer, YaRN with mscale != mscale_all_dim)
-_TINY_MLA = {
+# deepseek_v3: tests/parity/test_deepseek_v3.py's case "deepseek_yarn" (q latent, 4 groups of which
+# 2 kept, two shared experts, one dense layer, YaRN with mscale != mscale_all_dim); TINY_MLA is the
+# part all that test's cases share (its BASE, with initializer_range)
+TINY_MLA = {
     "vocab_size": 320,
     "hidden_size": 64,
     "intermediate_size": 96,
@@ -409,7 +412,7 @@ _TINY_MLA = {
     "tie_word_embeddings": False,
 }
 TINY_DEEPSEEK_V3 = {
-    **_TINY_MLA,
+    **TINY_MLA,
     "model_type": "deepseek_v3",
     "head_dim": 8,  # = qk_rope_head_dim, as transformers writes it
     "q_lora_rank": 32,
@@ -432,10 +435,10 @@ TINY_DEEPSEEK_V3 = {
     },
 }
 
-# glm4_moe_lite (GLM-4.7-Flash): tests/parity/test_deepseek_v3.py BASE + case "glm4_moe_lite" (dense
-# layers from mlp_layer_types, one group, theta 1e6)
+# glm4_moe_lite (GLM-4.7-Flash): tests/parity/test_deepseek_v3.py's case "glm4_moe_lite" (dense layers
+# from mlp_layer_types, one group, theta 1e6)
 TINY_GLM4_MOE_LITE = {
-    **_TINY_MLA,
+    **TINY_MLA,
     "model_type": "glm4_moe_lite",
     "q_lora_rank": 32,
     "n_group": 1,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.common import TINY_DEEPSEEK_V3, TINY_GLM4_MOE_LITE, TINY_MLA
 from ember.core.adapters import LoraConfig
 from ember.core.batch import pack
 from ember.core.config import config_from_hf
@@ -24,48 +25,12 @@ from tests.lora_helpers import peft_grads_as_ember, peft_model_like, randomise
 from tests.parity.test_families import ember_logprobs, hf_logprobs
 from tests.tiny_models import random_sequences
 
-BASE = {
-    "vocab_size": 320,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 8,
-    "kv_lora_rank": 24,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 12,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.2,
-}
+BASE = {**TINY_MLA, "initializer_range": 0.2}
 
 CASES = {
     # YaRN with mscale != mscale_all_dim (cos/sin factor and softmax scale), q latent, 4 groups of
     # which 2 are kept, two shared experts
-    "deepseek_yarn": (
-        "deepseek_v3",
-        {
-            "q_lora_rank": 32,
-            "n_group": 4,
-            "topk_group": 2,
-            "num_experts_per_tok": 3,
-            "n_shared_experts": 2,
-            "first_k_dense_replace": 1,
-            "routed_scaling_factor": 2.5,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "mscale": 0.9,
-                "mscale_all_dim": 0.7,
-                "beta_fast": 32,
-                "beta_slow": 1,
-            },
-        },
-    ),
+    "deepseek_yarn": ("deepseek_v3", TINY_DEEPSEEK_V3),
     # no q latent (q_proj), rope without interleave, unnormalised top-k weights
     "deepseek_plain": (
         "deepseek_v3",
@@ -82,19 +47,7 @@ CASES = {
         },
     ),
     # GLM-4.7-Flash: dense layers from mlp_layer_types, one group, theta 1e6
-    "glm4_moe_lite": (
-        "glm4_moe_lite",
-        {
-            "q_lora_rank": 32,
-            "n_group": 1,
-            "topk_group": 1,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "routed_scaling_factor": 1.8,
-            "mlp_layer_types": ["sparse", "dense", "sparse"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        },
-    ),
+    "glm4_moe_lite": ("glm4_moe_lite", TINY_GLM4_MOE_LITE),
 }
 
 

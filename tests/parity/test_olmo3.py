@@ -9,13 +9,14 @@ import shutil
 import pytest
 import torch
 
+from bench.common import TINY_OLMO3
 from ember.core.config import AttentionSpec
 from ember.engine.worker import Worker
 from tests.parity.test_deepseek_v3 import check_decoding, peft_lora_check
 from tests.parity.test_families import ember_logprobs, hf_logprobs
 from tests.tiny_models import random_sequences
 
-WINDOW = 8
+WINDOW = TINY_OLMO3["sliding_window"]  # 8
 SEQ_LENS = [17, 70, 5, 40]  # all but one longer than the window
 
 
@@ -25,27 +26,7 @@ def build_hf(seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = tf.Olmo3Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        sliding_window=WINDOW,
-        eos_token_id=1,
-        rope_theta=20000.0,
-        rope_scaling={
-            "rope_type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "attention_factor": 1.2,
-            "beta_fast": 16,
-            "beta_slow": 2,
-        },
-    )
+    cfg = tf.Olmo3Config(**{**TINY_OLMO3, "initializer_range": 0.2})
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

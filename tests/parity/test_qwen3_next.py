@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.common import TINY_QWEN3_NEXT
 from ember.engine.worker import Worker
 from tests.decoding import incremental_logprobs
 from tests.parity.test_deepseek_v3 import peft_lora_check
@@ -22,27 +23,8 @@ def build_hf(seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = tf.Qwen3NextConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[2],
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        initializer_range=0.2,
-    )
+    # max_position_embeddings: transformers' default (the bench shape has 512); no effect on the model
+    cfg = tf.Qwen3NextConfig(**{**TINY_QWEN3_NEXT, "max_position_embeddings": 32768, "initializer_range": 0.2})
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.common import TINY_QWEN4_EXP
 from ember.core.layers import gated_attention
 from ember.core.layers.qsa import QSAIndexer
 from ember.core.loading import load_model
@@ -20,8 +21,9 @@ from tests.parity.test_deepseek_v3 import peft_lora_check
 from tests.parity.test_families import ember_logprobs, hf_logprobs
 from tests.tiny_models import random_sequences
 
-EOS = 1
-BUDGET, RATIO = 8, 2  # a query attends to 4 of its 2-token blocks: dense up to position 8, sparse after
+EOS = TINY_QWEN4_EXP["eos_token_id"]  # 1
+# the config's QSA budget (8) and block size (2): a query attends to 4 of its 2-token blocks, densely up
+# to position 8, sparsely after
 SEQ_LENS = [17, 70, 5, 33]  # 70 also spans two GDN chunks
 
 
@@ -31,40 +33,8 @@ def build_hf(seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = tf.Qwen4ExpTextConfig(
-        vocab_size=320,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=8,
-        num_experts_per_tok=2,
-        hc_count=4,
-        hc_lowrank=16,
-        ple_layer_ids=[2],
-        ple_embed_dim=32,
-        heads_per_ngram=2,
-        ngram_vocab_size_base=50,
-        make_ngram_vocab_size_divisible_by=8,
-        split_ngram_parts=2,
-        indexer_n_heads=4,
-        indexer_kv_heads=1,
-        indexer_head_dim=16,
-        indexer_budget=BUDGET,
-        indexer_compress_ratio=RATIO,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        eos_token_id=EOS,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        output_gate_type="sigmoid",
-        initializer_range=0.2,
-    )
+    # max_position_embeddings: transformers' default (the bench shape has 512); no effect on the model
+    cfg = tf.Qwen4ExpTextConfig(**{**TINY_QWEN4_EXP, "max_position_embeddings": 32768, "initializer_range": 0.2})
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

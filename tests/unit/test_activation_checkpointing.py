@@ -86,15 +86,18 @@ def _requests(vocab: int):
 class _SavedBytes:
     """Bytes of the tensors autograd saves for backward outside checkpointed regions (distinct
     storages), seen through ``ember.core.rebuild`` (whose hooks are the innermost of a training
-    forward). The checkpoint's own hooks take over inside a layer and keep nothing."""
+    forward). The checkpoint's own hooks take over inside a layer and keep nothing. Each storage is
+    held until the measure ends: a tensor saved by a branch that the forward drops is freed, and
+    its address could be given to a later one, which would then replace it in the count (by how
+    the allocator happens to reuse addresses: a measure that changed from run to run)."""
 
     def __init__(self):
-        self.storages: dict[int, int] = {}
+        self.storages: dict[int, torch.UntypedStorage] = {}
 
     def __enter__(self):
         def seen(t):
             s = t.untyped_storage()
-            self.storages[s.data_ptr()] = s.nbytes()
+            self.storages[s.data_ptr()] = s
 
         self._ctx = rebuild.observing(seen)
         self._ctx.__enter__()
@@ -105,7 +108,7 @@ class _SavedBytes:
 
     @property
     def total(self) -> int:
-        return sum(self.storages.values())
+        return sum(s.nbytes() for s in self.storages.values())
 
 
 def _step(worker: Worker, mode: str, requests):

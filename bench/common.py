@@ -331,12 +331,12 @@ INKLING2_SMALL_3L = {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Tiny CPU smoke shapes, one per family. Except TINY / TINY_MOE (the original smoke shapes) and
-# TINY_LLAMA (a copy of tests/tiny_models.py's llama config), these are the one source of the tiny
-# configs the parity tests build and check against transformers: the test file named above each
-# imports its config from here (adding initializer_range, and overriding or leaving out the odd field
-# where noted there), so every one is known to build; fields transformers' config class would fill
-# with a default that Ember's reader does not share are spelled out.
+# Tiny CPU smoke shapes, one per family. Except TINY / TINY_MOE (the original smoke shapes), these
+# are the one source of the tiny configs the parity tests build and check against transformers:
+# the test file named above each imports its config from here (adding initializer_range, and
+# overriding or leaving out the odd field where noted there), so every one is known to build;
+# fields transformers' config class would fill with a default that Ember's reader does not share
+# are spelled out. TINY_LLAMA's shape and rope are also tests/tiny_models.py's hf_config("llama").
 # ---------------------------------------------------------------------------------------------
 
 # qwen3
@@ -364,7 +364,7 @@ TINY_MOE = {
     "norm_topk_prob": True,
 }
 
-# llama: tests/tiny_models.py COMMON + its llama3 rope
+# llama
 TINY_LLAMA = {
     "model_type": "llama",
     "vocab_size": 320,

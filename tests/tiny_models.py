@@ -6,17 +6,13 @@ from pathlib import Path
 
 import torch
 
-COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # large enough that logits are far from uniform
-)
+from bench.common import TINY_LLAMA
+
+# the shape shared with bench/common.py's TINY_LLAMA (the one source of the tiny llama config)
+COMMON = {k: TINY_LLAMA[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                                     "max_position_embeddings")}
+COMMON["initializer_range"] = 0.2  # large enough that logits are far from uniform
 
 
 def hf_config(family: str, **overrides):
@@ -25,14 +21,7 @@ def hf_config(family: str, **overrides):
 
     kw = dict(COMMON)
     if family == "llama":
-        kw["rope_parameters"] = {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        }
+        kw["rope_parameters"] = dict(TINY_LLAMA["rope_parameters"])
         cls = tf.LlamaConfig
     elif family == "qwen3":
         cls = tf.Qwen3Config

@@ -658,24 +658,41 @@ def _meta_model(key: str):
     return build_empty(ember_config(json.loads(key)))
 
 
-def active_params(cfg: dict) -> float:
-    """Matmul parameters a token passes through: every weight of Ember's build of the shape (on the
-    meta device) but 1-D ones and embedding lookups (the token embedding, n-gram tables), the LM
-    head included, routed experts counted ``top_k / num_experts``."""
+def _matmul_weights(model) -> list[tuple[torch.nn.Parameter, float]]:
+    """``(weight, share)`` for every matmul weight of ``model``: every parameter but 1-D ones and
+    embedding lookups (the token embedding, n-gram tables), the LM head included; ``share`` is the
+    fraction of tokens that pass through it (routed experts ``top_k / num_experts``, else 1)."""
     from ember.core.layers.moe import Experts
 
-    model = _meta_model(json.dumps(cfg, sort_keys=True))
     top_k = int(model.config.raw.get("num_experts_per_tok") or 1)
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     lookups.discard(id(model.lm_head.weight))  # a tied head is a matmul
     share = {
         id(p): top_k / m.num_experts for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)
     }
-    total = 0.0
-    for p in model.parameters():
-        if p.dim() >= 2 and id(p) not in lookups:
-            total += p.numel() * share.get(id(p), 1.0)
-    return total
+    return [(p, share.get(id(p), 1.0)) for p in model.parameters() if p.dim() >= 2 and id(p) not in lookups]
+
+
+def active_params(cfg: dict) -> float:
+    """Matmul parameters a token passes through (:func:`_matmul_weights` of Ember's build of the
+    shape on the meta device, each weighted by its share)."""
+    return sum(p.numel() * share for p, share in _matmul_weights(_meta_model(json.dumps(cfg, sort_keys=True))))
+
+
+def decode_roofline_s(model, rows: int, floor_bytes: float) -> float:
+    """The roofline of a decode step of ``rows`` tokens that reads ``floor_bytes`` (weights, LoRA
+    factors, KV cache): each matmul weight's bytes at the copy bandwidth or its products' FLOPs
+    (``2 · rows · share · numel``) at the bf16 matmul peak, whichever takes longer, plus the other
+    bytes at the copy bandwidth. Above ``PEAK_BF16_FLOPS / copy_bandwidth()`` rows a token (184 on
+    the H200, 263 on the H100; routed experts scaled by their share) a product is bound by the
+    tensor cores, not by its weight's bytes, which the bandwidth floor alone leaves out."""
+    bw = copy_bandwidth()
+    products = bytes_ = 0.0
+    for p, share in _matmul_weights(model):
+        b = p.numel() * p.element_size()
+        products += max(b / bw, 2 * rows * share * p.numel() / PEAK_BF16_FLOPS)
+        bytes_ += b
+    return products + (floor_bytes - bytes_) / bw
 
 
 def attention_layers(cfg: dict) -> list[tuple[int, int, int, int | None]]:

@@ -289,23 +289,25 @@ CONFIGS = [
 ]
 
 
-def _mixed_requests(slots):
+def _mixed_requests(slots, first_tokens: int = 6):
     prompts = random_sequences(VOCAB, [4, 11, 7, 2, 9, 5], seed=21)
     reqs = []
     for i, p in enumerate(prompts):
         slot = ([0] + slots)[i % (len(slots) + 1)]
         if i % 2:
-            params = SamplingParams(max_tokens=6 + i, temperature=1.0, top_k=40, seed=i, stop=[])
+            params = SamplingParams(max_tokens=first_tokens + i, temperature=1.0, top_k=40, seed=i, stop=[])
         else:
-            params = SamplingParams(max_tokens=6 + i, temperature=0.0, stop=[])
+            params = SamplingParams(max_tokens=first_tokens + i, temperature=0.0, stop=[])
         reqs.append(SampleInput(slot, np.array(p), params, num_samples=1 + i % 3))
     return reqs
 
 
-def static_decode_requests(worker) -> list[SampleInput]:
+def static_decode_requests(worker, first_tokens: int = 6) -> list[SampleInput]:
     """The requests the static decoder's tests decode: :func:`_mixed_requests` over three
-    adapters (one without MLP LoRA), with request 1 on the base model among adapted ones."""
-    reqs = _mixed_requests(_adapters(worker, CONFIGS))
+    adapters (one without MLP LoRA), with request 1 on the base model among adapted ones; request
+    ``i`` samples ``first_tokens + i`` tokens (fewer where each step runs under Triton's
+    interpreter: the sequences still end at different steps)."""
+    reqs = _mixed_requests(_adapters(worker, CONFIGS), first_tokens)
     reqs[1] = dataclasses.replace(reqs[1], slot=0)
     return reqs
 
@@ -315,12 +317,12 @@ def decoded(results) -> list:
     return [[[s.tokens.tolist(), np.asarray(s.logprobs, np.float64).tolist()] for s in r.sequences] for r in results]
 
 
-def assert_equals_eager(path, got: list) -> None:
+def assert_equals_eager(path, got: list, first_tokens: int = 6) -> None:
     """``got`` (:func:`decoded`) holds the eager decoder's tokens, and its logprobs to 1e-5, for
-    :func:`static_decode_requests` on the model at ``path`` (computed here, in this process: the
-    PyTorch paths, not the Triton interpreter's)."""
+    :func:`static_decode_requests` (with ``first_tokens``) on the model at ``path`` (computed here,
+    in this process: the PyTorch paths, not the Triton interpreter's)."""
     worker = _worker(path, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024))
-    want = decoded(worker.sample(static_decode_requests(worker)))
+    want = decoded(worker.sample(static_decode_requests(worker, first_tokens)))
     assert worker.sampler.static is None
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):

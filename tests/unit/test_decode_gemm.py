@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from tests.triton_interp import run_interpreted
-from tests.unit.test_sampler import assert_equals_eager
+from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, assert_equals_eager
 
 pytest.importorskip("triton")
 
@@ -98,9 +98,6 @@ def test_decode_gemm_matches_float64():
     assert "OK" in run_interpreted(KERNEL_SCRIPT, timeout=900)
 
 
-# request i samples 2 + i tokens: 2 to 7 decode steps under the interpreter (the eager tests' 6 to 11)
-FIRST_TOKENS = 2
-
 ENGINE_SCRIPT = textwrap.dedent(
     """
     import json
@@ -109,7 +106,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
     from ember.core.kernels import decode_gemm
     from ember.core.sampling import SamplerConfig
-    from tests.unit.test_sampler import _worker, decoded, static_decode_requests
+    from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, _worker, decoded, static_decode_requests
 
     launches = []  # (LORA, output columns) of each launch
     real = decode_gemm._decode_gemm_kernel
@@ -124,7 +121,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
     config = SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True, decode_gemm=True)
     worker = _worker(PATH, config)
-    results = worker.sample(static_decode_requests(worker, FIRST_TOKENS))
+    results = worker.sample(static_decode_requests(worker, INTERPRETED_FIRST_TOKENS))
     assert any(lora for lora, _ in launches), "no LoRA expand ran in the decode GEMM's epilogue"
     assert any(n == worker.model.lm_head.out_features for _, n in launches), "the LM head did not run in it"
     print(json.dumps(decoded(results)))
@@ -137,8 +134,8 @@ def test_static_decode_through_the_decode_gemm_equals_eager(hf_models):
     expands in its epilogue; three adapters, one without MLP LoRA, and a base-model row in the same
     steps) give the eager decoder's tokens and logprobs (the PyTorch path, in this process)."""
     _, path = hf_models["qwen3"]
-    out = run_interpreted(f"PATH = {str(path)!r}\nFIRST_TOKENS = {FIRST_TOKENS}\n" + ENGINE_SCRIPT, timeout=900)
-    assert_equals_eager(path, json.loads(out.strip().splitlines()[-1]), FIRST_TOKENS)
+    out = run_interpreted(f"PATH = {str(path)!r}\n" + ENGINE_SCRIPT, timeout=900)
+    assert_equals_eager(path, json.loads(out.strip().splitlines()[-1]), INTERPRETED_FIRST_TOKENS)
 
 
 @pytest.mark.parametrize("tma,late", [(False, False), (True, False), (False, True)])

@@ -16,25 +16,27 @@ BW = 4.3e12
 def model(monkeypatch):
     monkeypatch.setattr(common, "copy_bandwidth", lambda: BW)
     m = build_empty(ember_config(SHAPES["tiny-moe"])).to(torch.bfloat16)  # on the meta device
-    assert any(type(x).__name__ == "Experts" for x in m.modules())
+    assert any(type(x).__name__ == "Experts" for x in m.modules()) and not m.config.raw.get("tie_word_embeddings")
     return m
+
+
+def _share(model, name: str) -> float:
+    raw = model.config.raw
+    return raw["num_experts_per_tok"] / raw["num_experts"] if ".experts." in name else 1.0
+
+
+def _matmul(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The matmul weights by name: 2-D, not the token embedding (the shape's LM head is untied)."""
+    return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n]
 
 
 def _by_hand(model, rows: int, floor_bytes: float) -> tuple[float, float]:
     """(roofline, bytes of the matmul weights) summed over named parameters."""
-    top_k = model.config.raw["num_experts_per_tok"]
-    n_experts = model.config.raw["num_experts"]
-    embedding = {id(model.get_submodule(n.rpartition(".")[0]).weight) for n, _ in model.named_parameters()
-                 if isinstance(model.get_submodule(n.rpartition(".")[0]), torch.nn.Embedding)}
-    embedding.discard(id(model.lm_head.weight))
     total = matmul_bytes = 0.0
-    for name, p in model.named_parameters():
-        if p.dim() < 2 or id(p) in embedding:
-            continue
-        share = top_k / n_experts if ".experts." in name else 1.0
+    for name, p in _matmul(model):
         b = 2 * p.numel()
         matmul_bytes += b
-        total += max(b / BW, 2 * rows * share * p.numel() / PEAK_BF16_FLOPS)
+        total += max(b / BW, 2 * rows * _share(model, name) * p.numel() / PEAK_BF16_FLOPS)
     return total + (floor_bytes - matmul_bytes) / BW, matmul_bytes
 
 
@@ -53,8 +55,6 @@ def test_regimes(model):
     assert decode_roofline_s(model, 1, floor_bytes) == pytest.approx(floor_bytes / BW, rel=1e-12)
     # a million rows: every product is bound by its FLOPs, experts at their share
     rows = 10**6
-    top_k, n_experts = model.config.raw["num_experts_per_tok"], model.config.raw["num_experts"]
-    flops = sum(2 * rows * (top_k / n_experts if ".experts." in n else 1.0) * p.numel()
-                for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n)
+    flops = sum(2 * rows * _share(model, n) * p.numel() for n, p in _matmul(model))
     assert decode_roofline_s(model, rows, floor_bytes) == pytest.approx(flops / PEAK_BF16_FLOPS + 1000.0 / BW,
                                                                         rel=1e-12)

@@ -302,6 +302,11 @@ def _mixed_requests(slots, first_tokens: int = 6):
     return reqs
 
 
+# request i samples INTERPRETED_FIRST_TOKENS + i tokens where every step runs under Triton's
+# interpreter (2 to 7 decode steps; the PyTorch paths' tests take 6 to 11)
+INTERPRETED_FIRST_TOKENS = 2
+
+
 def static_decode_requests(worker, first_tokens: int = 6) -> list[SampleInput]:
     """The requests the static decoder's tests decode: :func:`_mixed_requests` over three
     adapters (one without MLP LoRA), with request 1 on the base model among adapted ones; request

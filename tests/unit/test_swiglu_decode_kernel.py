@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from tests.triton_interp import run_interpreted
-from tests.unit.test_sampler import assert_equals_eager
+from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, assert_equals_eager
 
 pytest.importorskip("triton")
 
@@ -142,9 +142,6 @@ def test_swiglu_lora_kernel_matches_the_three_kernels():
     assert "OK" in run_interpreted(SCRIPT, timeout=900)
 
 
-# request i samples 2 + i tokens: 2 to 7 decode steps under the interpreter (the eager tests' 6 to 11)
-FIRST_TOKENS = 2
-
 ENGINE_SCRIPT = textwrap.dedent(
     """
     import json
@@ -153,7 +150,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
     from ember.core.kernels import swiglu_decode
     from ember.core.sampling import SamplerConfig
-    from tests.unit.test_sampler import _worker, decoded, static_decode_requests
+    from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, _worker, decoded, static_decode_requests
 
     launches = []
     real = swiglu_decode._swiglu_lora
@@ -164,7 +161,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     swiglu_decode._swiglu_lora = Counting()
 
     worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True))
-    results = worker.sample(static_decode_requests(worker, FIRST_TOKENS))
+    results = worker.sample(static_decode_requests(worker, INTERPRETED_FIRST_TOKENS))
     assert launches, "the static decoder never ran the SwiGLU kernel"
     print(json.dumps(decoded(results)))
     """
@@ -177,5 +174,5 @@ def test_static_decode_through_the_kernels_equals_eager(hf_models):
     logprobs (the PyTorch path, in this process), with three adapters (one without MLP LoRA) and a
     base-model row in the same steps."""
     _, path = hf_models["qwen3"]
-    out = run_interpreted(f"PATH = {str(path)!r}\nFIRST_TOKENS = {FIRST_TOKENS}\n" + ENGINE_SCRIPT, timeout=900)
-    assert_equals_eager(path, json.loads(out.strip().splitlines()[-1]), FIRST_TOKENS)
+    out = run_interpreted(f"PATH = {str(path)!r}\n" + ENGINE_SCRIPT, timeout=900)
+    assert_equals_eager(path, json.loads(out.strip().splitlines()[-1]), INTERPRETED_FIRST_TOKENS)

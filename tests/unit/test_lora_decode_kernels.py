@@ -102,6 +102,39 @@ SCRIPT = textwrap.dedent(
                 assert torch.equal(y[n_real:], y0[n_real:])
                 check(f"delta_add rows {dtype} case {i}", y, reference(y0, x, A, B, offs, n_real), tol)
 
+    # a bank of 33 slots with rows in two of them: launches sized by a bound on the active groups
+    # (the static decoder's, from the step's rows) give the same delta as launches over every slot;
+    # with a bound of 2 every call launches 2 programs per split, not 8
+    sizes = [0] * 33
+    sizes[5], sizes[30] = 6, 9
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    A, B = stacks(33, 16, 16, 64, 48, torch.float32, seed=7)
+    x, y0 = torch.randn(15, 64), torch.randn(15, 48)
+    want = reference(y0, x, A, B, offs)
+    launched = []
+    real_kernel = ld._lora_shrink_kernel
+    class Grids:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real_kernel[grid]
+    ld._lora_shrink_kernel = Grids()
+    none = ld.active_groups(offs, skip_first=True, bound=0)
+    y = ld.lora_expand_add(y0.clone(), torch.ones(15, 16), B, offs, skip_first=True, active=none)
+    assert y.equal(y0)  # a bound of 0: no group has rows, nothing launched
+    for bound in (None, 2, 3):
+        active = ld.active_groups(offs, skip_first=True, bound=bound)
+        assert active.bound == (32 if bound is None else bound)
+        h = ld.lora_shrink(x, A, offs, skip_first=True, active=active)
+        y = ld.lora_expand_add(y0.clone(), h, B, offs, skip_first=True, active=active)
+        check(f"bank of 33, bound {bound}", y, want, 1e-5)
+    ld._lora_shrink_kernel = real_kernel
+    assert [g[0] for g in launched] == [8, 2, 3], launched
+    try:
+        ld.active_groups(offs, skip_first=True, bound=-1)
+        raise AssertionError("a negative bound was taken")
+    except ValueError as e:
+        assert "bound" in str(e)
+
     # a packed group's block-diagonal B (members of these output widths, R columns each): with
     # ``splits`` each block of outputs multiplies only its member's columns; widths whose common
     # power of two is below a tile (40, 24: 8) fall back to the whole of B

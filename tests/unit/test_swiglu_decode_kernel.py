@@ -148,21 +148,29 @@ ENGINE_SCRIPT = textwrap.dedent(
     from tests.triton_interp import patch_interpreter
     patch_interpreter()
 
-    from ember.core.kernels import swiglu_decode
+    from ember.core.kernels import lora_decode, swiglu_decode
     from ember.core.sampling import SamplerConfig
     from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, _worker, decoded, static_decode_requests
 
-    launches = []
-    real = swiglu_decode._swiglu_lora
-    class Counting:
+    class Counting:  # records each launch's grid
+        def __init__(self, module, name):
+            self.real, self.grids = getattr(module, name), []
+            setattr(module, name, self)
         def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-    swiglu_decode._swiglu_lora = Counting()
+            self.grids.append(grid)
+            return self.real[grid]
+    swiglu = Counting(swiglu_decode, "_swiglu_lora")
+    shrink = Counting(lora_decode, "_lora_shrink_kernel")
 
     worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True))
     results = worker.sample(static_decode_requests(worker, INTERPRETED_FIRST_TOKENS))
-    assert launches, "the static decoder never ran the SwiGLU kernel"
+    assert swiglu.grids, "the static decoder never ran the SwiGLU kernel"
+    # the shrinks' programs per split follow the adapters with rows in the step, not the bank's
+    # slots: one for the last steps (only one adapter's request still decoding), more while all
+    # three decode side by side
+    slots = worker.sampler.static.stacks.groups - 1
+    per_split = sorted({grid[0] for grid in shrink.grids})
+    assert slots > 3 and per_split[0] == 1 and 2 <= per_split[-1] <= 4, (slots, per_split)
     print(json.dumps(decoded(results)))
     """
 )

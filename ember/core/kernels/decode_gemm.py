@@ -363,11 +363,11 @@ def decode_linear(
     if y.shape != (M, N) or y.stride(-1) != 1:
         raise ValueError(f"decode_linear: out {tuple(y.shape)} for [{M}, {N}]")
     if lora is not None:
-        h, B, offsets, n_rows, (ids, count) = lora
+        h, B, offsets, n_rows, active = lora
         if h.shape[0] != M or B.dim() != 3 or B.shape[1] != N or B.shape[2] != h.shape[1] or B.stride(-1) != 1:
             raise ValueError(f"decode_linear: LoRA h {tuple(h.shape)}, B {tuple(B.shape)} for [{M}, {N}]")
         R = h.shape[1]
-        lora_args = (h, B, offsets, n_rows if n_rows is not None else offsets, ids, count)
+        lora_args = (h, B, offsets, n_rows if n_rows is not None else offsets, active.ids, active.count)
         lora_strides = (h.stride(0), B.stride(0), B.stride(1), R)
     else:
         R = 0
@@ -394,7 +394,7 @@ def decode_linear(
         R_PAD=max(16, _pow2(R)), PREFETCH=prefetch,
         PREC="ieee" if W.dtype == torch.float32 else "tf32",  # fp32: exact products, as cuBLAS without TF32
         TMA=cfg.tma, LATE_LAUNCH=cfg.late_launch and opts["PDL"],
-        G_PAD=lora_decode.groups_pad(lora[2]) if lora is not None else 2,
+        G_PAD=lora_decode.groups_pad(lora[4]) if lora is not None else 2,
         num_warps=cfg.warps, num_stages=cfg.stages, **opts,
     )
     return y

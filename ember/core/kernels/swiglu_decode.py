@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ember.core.kernels import fused, pdl
-from ember.core.kernels.lora_decode import _pow2, _prec, groups_pad
+from ember.core.kernels.lora_decode import ActiveGroups, _pow2, _prec, groups_pad
 
 if fused.HAVE_TRITON:
     import triton
@@ -102,7 +102,7 @@ def swiglu_config(n_rows: int) -> tuple[int, int]:
 def swiglu_lora(
     gu: torch.Tensor,
     offsets: torch.Tensor,
-    active: tuple[torch.Tensor, torch.Tensor],
+    active: ActiveGroups,
     n_rows: torch.Tensor | None = None,
     gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     down: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -137,17 +137,16 @@ def swiglu_lora(
     if down is not None and (A_d.shape[2] != I or h_d.shape != (N, RD) or h_d.dtype != torch.float32
                              or A_d.stride(-1) != 1 or h_d.stride(-1) != 1):
         raise ValueError(f"swiglu_lora: down stack {tuple(A_d.shape)}, h {tuple(h_d.shape)} for gu {tuple(gu.shape)}")
-    ids, count = active
     block_m, block_k = config or swiglu_config(N)
     _swiglu_lora[(triton.cdiv(I, block_k), triton.cdiv(N, block_m))](
-        gu, h_gu, B_gu, A_d, h_d, act, offsets, n_rows if n_rows is not None else offsets, ids, count,
+        gu, h_gu, B_gu, A_d, h_d, act, offsets, n_rows if n_rows is not None else offsets, active.ids, active.count,
         gu.stride(0), h_gu.stride(0), B_gu.stride(0) if gate_up is not None else 0,
         B_gu.stride(1) if gate_up is not None else 0, A_d.stride(0) if down is not None else 0,
         A_d.stride(1) if down is not None else 0, h_d.stride(0) if down is not None else 0, act.stride(0),
         N, I, R, RD,
         HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
         BLOCK_M=block_m, BLOCK_K=block_k, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
-        PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=groups_pad(offsets), num_warps=8,
+        PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=groups_pad(active), num_warps=8,
         **pdl.options(),
     )
     return act

@@ -55,7 +55,7 @@ import torch
 from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import decode_gemm as decode_gemm_kernel
-from ember.core.kernels import fused, pdl
+from ember.core.kernels import fused, lora_decode, pdl
 from ember.core.layers.lora import LoraLinear
 from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
@@ -262,17 +262,29 @@ class StaticDecoder:
             return 0
         return min(self.max_positions, 1 << max(batch.positions).bit_length())
 
-    def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0
+    def _adapters(self, batch: DecodeBatch) -> int:
+        """How many adapters' rows a step of ``batch`` may hold: its adapters' count to a power of two
+        up to the LoRA kernels' programs per split, every slot of the bank beyond that. It sizes the
+        LoRA kernels' launches (:class:`~ember.core.kernels.lora_decode.ActiveGroups`), so it is part
+        of a graph's key: few busy adapters in a bank of many slots launch no idle programs, and a
+        few graphs serve every mix."""
+        busy = len(set(batch.slots) - {0})
+        if busy > lora_decode.GROUP_PROGRAMS:
+            return max(self.stacks.groups - 1, 1)
+        return min(1 << max(busy - 1, 0).bit_length(), max(self.stacks.groups - 1, 1))
+
+    def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0, adapters: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         with pdl.launches(self.dependent_launch):
-            return self._step(buf, use_lora, head, span)
+            return self._step(buf, use_lora, head, span, adapters)
 
-    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int, adapters: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         # the positions' host-known bound: below the span past QSA's threshold, below the threshold
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
-                            rows=buf.positions.shape[0], gemm=self.gemm)
+                            rows=buf.positions.shape[0], gemm=self.gemm, max_active=adapters)
         if use_lora and fused.use_triton(buf.offsets):
             # the active-group list at the step's start: the LoRA kernels read it before their
             # grid-dependency wait (kernels.pdl, "read early"), so no kernel close before them may write it
@@ -330,8 +342,9 @@ class StaticDecoder:
         n = len(batch)
         head = batch.record_head
         span = self._span(batch)
+        adapters = self._adapters(batch) if use_lora else None
         if not self.use_graphs:
-            logits, chosen = self._forward(buf, use_lora, head, span)
+            logits, chosen = self._forward(buf, use_lora, head, span, adapters)
             return logits[:n], None, chosen[:, :n]
         version = self._version()
         if version != self._graph_version:  # new stacks, rollout copies quantised again, new state slabs
@@ -339,14 +352,14 @@ class StaticDecoder:
                 torch.cuda.synchronize()  # a queued step may still replay one of them
             self._graphs.clear()
             self._graph_version = version
-        key = (bucket, use_lora, head, span)
+        key = (bucket, use_lora, head, span, adapters)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(buf, use_lora, head, span)
+            self._graphs[key] = self._capture(buf, use_lora, head, span, adapters)
         graph, (logits, chosen) = self._graphs[key]
         graph.replay()
         return logits[:n], None, chosen[:, :n]
 
-    def _capture(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0
+    def _capture(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0, adapters: int | None = None
                  ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # warm up on a side stream (Triton compilation, cuBLAS handles, rotary tables), then capture;
         # the warm-up writes the same keys and values the replay will write
@@ -356,24 +369,12 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(buf, use_lora, head, span)
+                self._forward(buf, use_lora, head, span, adapters)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(buf, use_lora, head, span)
+            out = self._forward(buf, use_lora, head, span, adapters)
         return graph, out
-
-    def capture_all(self, use_lora: bool = True) -> None:
-        """Capture every bucket now (largest first, so smaller graphs reuse its memory pool)."""
-        if not self.use_graphs:
-            return
-        for b in reversed(self.buckets):
-            buf = self._buffers_for(b)
-            buf.offsets.zero_()
-            buf.offsets[-1] = b
-            buf.n_rows.fill_(b)
-            if (b, use_lora, 0, 0) not in self._graphs:
-                self._graphs[(b, use_lora, 0, 0)] = self._capture(buf, use_lora)
 
 
 def graphs_failed(err: Exception) -> None:

@@ -258,7 +258,11 @@ class StaticRoute:
     ``gemm`` (a :class:`~ember.core.kernels.decode_gemm.Workspace`): the dense base products run as
     the decode GEMM (:mod:`ember.core.kernels.decode_gemm`) with the LoRA expand in its epilogue,
     the shrink first; rollout copies and shapes it does not take keep cuBLAS and the separate
-    expand."""
+    expand.
+
+    ``max_active``: at most this many slots have real rows (the caller knows it from the step's
+    rows; it must hold, see :class:`~ember.core.kernels.lora_decode.ActiveGroups`). The LoRA kernels'
+    launches are sized by it, so a bank's unused slots do not widen them; ``None``: every slot may."""
 
     def __init__(
         self,
@@ -269,6 +273,7 @@ class StaticRoute:
         lora: bool = True,
         rows: int | None = None,
         gemm: decode_gemm.Workspace | None = None,
+        max_active: int | None = None,
     ):
         self.stacks = stacks
         self.offsets = offsets
@@ -282,13 +287,15 @@ class StaticRoute:
         self._y: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (group, input, packed output)
         self._workspace: torch.Tensor | None = None
         self._used = 0
-        self._active: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.max_active = max_active  # at most this many slots have rows (None: any of the bank's)
+        self._active: lora_decode.ActiveGroups | None = None
 
     @property
-    def active(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots with rows this step (:func:`~ember.core.kernels.lora_decode.active_groups`)."""
+    def active(self) -> lora_decode.ActiveGroups:
+        """The slots with rows this step (:func:`~ember.core.kernels.lora_decode.active_groups`),
+        bounded by ``max_active``, which sizes the LoRA kernels' launches."""
         if self._active is None:
-            self._active = lora_decode.active_groups(self.offsets, self.n_rows, skip_first=True)
+            self._active = lora_decode.active_groups(self.offsets, self.n_rows, skip_first=True, bound=self.max_active)
         return self._active
 
     def _zeros(self, n: int, cols: int, device: torch.device) -> torch.Tensor:

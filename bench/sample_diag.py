@@ -11,6 +11,11 @@ and lists the GPU kernels of decode steps run without graphs (torch.profiler, ms
 Part ``gemm``: one layer's base GEMMs at the batch's row count, alone and with q/k/v and gate/up
 fused into one product, under cuBLAS and cuBLASLt (µs and the bandwidth reached).
 
+Part ``prefill`` (workload b's: ``--prompts 256 --adapters 8``, a bank of ``--bank-slots``, default
+32): the prefill of ``--adapters`` busy adapters against one, over prompts the prefix index holds (as
+bench/sample.py's timed run finds them) and over unseen ones; wall time, the engine's prefill time,
+and the kernels' count and device time of the first.
+
 Part ``sampling``: device-synced wall time of the sampling pieces of a step (log-softmax, the
 token draw with and without top-p, the host's uniform numbers) on [64, vocab] logits.
 
@@ -22,6 +27,7 @@ sampled token comes from the prefill pass, the rest from decode steps: both are 
 
     python bench/sample_diag.py --out $OUT                  # on the GPU
     python bench/sample_diag.py --only steps --prompts 256 --adapters 8 --bank-slots 32 --out $OUT
+    python bench/sample_diag.py --only prefill --prompts 256 --adapters 8 --out $OUT
     python bench/sample_diag.py --shape tiny --new 8        # CPU smoke test
 """
 
@@ -45,6 +51,7 @@ from bench.sample import DEVICE, DTYPE, SHAPES, fill_adapters, make_prompts, tra
 from ember.core.adapters import AdapterBank
 from ember.core.sampling import GenerationRequest, SamplerConfig, SamplingEngine, StopRule
 from ember.core.sampling import attention as sampling_attention
+from ember.core.sampling.engine import EngineStats
 
 
 def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool | None, graphs: bool,
@@ -153,6 +160,45 @@ def step_breakdown(model, prompts, new: int, rank: int, adapters: int = 1, bank_
     while not engine.idle:
         engine.step()
     del engine, bank
+    return out
+
+
+def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> dict:
+    """Workload b's prefill with ``adapters`` busy adapters against one (round-robin over the
+    prompts, one request each, a bank of ``bank_slots``): the wall time and the engine's prefill
+    time of a pass over prompts the prefix index holds (as ``bench/sample.py``'s timed run finds
+    them) and over prompts it has not seen, and the GPU kernels of the first (launches and device
+    time; the rest of its wall time is the host's)."""
+    bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
+    slots = fill_adapters(bank, adapters, rank)
+    out = {}
+    for busy in sorted({1, adapters}):
+        engine = make_engine(model, bank, len(prompts), len(prompts[0]), 1, None, True)
+        reqs = requests(prompts, 1, slots[:busy])
+        engine.generate(reqs)  # compile, capture, and the prompts into the prefix index
+        part = {}
+        for name, batch in (("cached", reqs), ("fresh", requests([p[::-1].copy() for p in prompts], 1, slots[:busy]))):
+            engine.stats = EngineStats()
+            sync()
+            t0 = time.perf_counter()
+            engine.generate(batch)
+            sync()
+            st = engine.stats
+            part[name] = {"wall_ms": 1e3 * (time.perf_counter() - t0), "prefill_ms": 1e3 * st.prefill_seconds,
+                          "passes": st.prefill_passes, "tokens": st.prefill_tokens, "saved": st.prefill_tokens_saved}
+        if DEVICE == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.generate(reqs)
+                sync()
+            kernels = [e for e in prof.key_averages() if e.device_time_total]
+            part["cached"]["kernels"] = sum(e.count for e in kernels)
+            part["cached"]["gpu_ms"] = sum(e.device_time_total for e in kernels) / 1e3
+        print(f"prefill, {busy} adapter(s) of {bank_slots} slots: {part}", flush=True)
+        out[f"adapters_{busy}"] = part
+        del engine
     return out
 
 
@@ -270,11 +316,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--gap-prompts", type=int, default=16)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--only", default="steps,gemm,sampling,gap")
+    ap.add_argument("--only", default="steps,gemm,sampling,gap", help="comma list of parts (also: prefill)")
     ap.add_argument("--dependent-launch", type=int, choices=(0, 1), default=int(SamplerConfig.dependent_launch),
                     help="steps: SamplerConfig.dependent_launch (programmatic dependent launch)")
     ap.add_argument("--adapters", type=int, default=1, help="steps: busy adapters sharing the rows (workload b: 8)")
-    ap.add_argument("--bank-slots", type=int, default=None, help="steps: adapter bank slots (default --adapters)")
+    ap.add_argument("--bank-slots", type=int, default=None,
+                    help="steps: adapter bank slots (default --adapters); prefill: (default 32)")
     ap.add_argument("--decode-gemm", type=int, choices=(0, 1), default=int(SamplerConfig.decode_gemm),
                     help="steps: SamplerConfig.decode_gemm (Ember's decode GEMM for the dense products)")
     ap.add_argument("--gemm-configs", type=Path, default=None,
@@ -297,6 +344,8 @@ def main() -> None:
                            dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm))
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
+    if "prefill" in only:
+        results["prefill"] = prefill_parts(model, prompts, args.rank, args.adapters, args.bank_slots or 32)
     if "gemm" in only:
         results["gemm"] = gemm_parts(model, args.prompts)
     if "sampling" in only:

@@ -41,6 +41,23 @@ def patch_interpreter() -> None:
     interp.InterpreterBuilder.cast_impl = cast_impl
 
 
+class LaunchGrids:
+    """Replaces kernel ``name`` of ``module`` with a stand-in that records each launch's grid
+    (``grids``) and launches the real kernel; for the scripts that :func:`run_interpreted` runs."""
+
+    def __init__(self, module, name: str):
+        self.real, self.grids = getattr(module, name), []
+        self.module, self.name = module, name
+        setattr(module, name, self)
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.real[grid]
+
+    def restore(self) -> None:
+        setattr(self.module, self.name, self.real)
+
+
 def run_interpreted(script: str, timeout: int = 900) -> str:
     """Run ``script`` in a fresh Python under Triton's interpreter (``TRITON_INTERPRET=1`` is read
     when Triton is imported, hence the subprocess), from the repository root; returns its stdout

@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     """
     import types
     import torch
-    from tests.triton_interp import patch_interpreter
+    from tests.triton_interp import LaunchGrids, patch_interpreter
     patch_interpreter()
 
     from ember.core.kernels import fused, lora_decode as ld
@@ -111,13 +111,7 @@ SCRIPT = textwrap.dedent(
     A, B = stacks(33, 16, 16, 64, 48, torch.float32, seed=7)
     x, y0 = torch.randn(15, 64), torch.randn(15, 48)
     want = reference(y0, x, A, B, offs)
-    launched = []
-    real_kernel = ld._lora_shrink_kernel
-    class Grids:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real_kernel[grid]
-    ld._lora_shrink_kernel = Grids()
+    launched = LaunchGrids(ld, "_lora_shrink_kernel")
     none = ld.active_groups(offs, skip_first=True, bound=0)
     y = ld.lora_expand_add(y0.clone(), torch.ones(15, 16), B, offs, skip_first=True, active=none)
     assert y.equal(y0)  # a bound of 0: no group has rows, nothing launched
@@ -127,8 +121,8 @@ SCRIPT = textwrap.dedent(
         h = ld.lora_shrink(x, A, offs, skip_first=True, active=active)
         y = ld.lora_expand_add(y0.clone(), h, B, offs, skip_first=True, active=active)
         check(f"bank of 33, bound {bound}", y, want, 1e-5)
-    ld._lora_shrink_kernel = real_kernel
-    assert [g[0] for g in launched] == [8, 2, 3], launched
+    launched.restore()
+    assert [g[0] for g in launched.grids] == [8, 2, 3], launched.grids
     try:
         ld.active_groups(offs, skip_first=True, bound=-1)
         raise AssertionError("a negative bound was taken")

@@ -145,22 +145,15 @@ def test_swiglu_lora_kernel_matches_the_three_kernels():
 ENGINE_SCRIPT = textwrap.dedent(
     """
     import json
-    from tests.triton_interp import patch_interpreter
+    from tests.triton_interp import LaunchGrids, patch_interpreter
     patch_interpreter()
 
     from ember.core.kernels import lora_decode, swiglu_decode
     from ember.core.sampling import SamplerConfig
     from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, _worker, decoded, static_decode_requests
 
-    class Counting:  # records each launch's grid
-        def __init__(self, module, name):
-            self.real, self.grids = getattr(module, name), []
-            setattr(module, name, self)
-        def __getitem__(self, grid):
-            self.grids.append(grid)
-            return self.real[grid]
-    swiglu = Counting(swiglu_decode, "_swiglu_lora")
-    shrink = Counting(lora_decode, "_lora_shrink_kernel")
+    swiglu = LaunchGrids(swiglu_decode, "_swiglu_lora")
+    shrink = LaunchGrids(lora_decode, "_lora_shrink_kernel")
 
     worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True))
     results = worker.sample(static_decode_requests(worker, INTERPRETED_FIRST_TOKENS))

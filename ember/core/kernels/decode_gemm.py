@@ -369,8 +369,9 @@ def decode_linear(
         R = h.shape[1]
         lora_args = (h, B, offsets, n_rows if n_rows is not None else offsets, active.ids, active.count)
         lora_strides = (h.stride(0), B.stride(0), B.stride(1), R)
+        g_pad = lora_decode.groups_pad(active)
     else:
-        R = 0
+        R, g_pad = 0, 2
         lora_args = (x, x, x, x, x, x)
         lora_strides = (0, 0, 0, 0)
     if cfg.tma and not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, W)):
@@ -394,7 +395,7 @@ def decode_linear(
         R_PAD=max(16, _pow2(R)), PREFETCH=prefetch,
         PREC="ieee" if W.dtype == torch.float32 else "tf32",  # fp32: exact products, as cuBLAS without TF32
         TMA=cfg.tma, LATE_LAUNCH=cfg.late_launch and opts["PDL"],
-        G_PAD=lora_decode.groups_pad(lora[4]) if lora is not None else 2,
+        G_PAD=g_pad,
         num_warps=cfg.warps, num_stages=cfg.stages, **opts,
     )
     return y

@@ -22,16 +22,17 @@ and the next group's while the current one's products land.
 
 The groups with rows are listed first (:func:`active_groups`, device ops computed once per step)
 and spread over at most ``GROUP_PROGRAMS`` programs per split (program ``j`` takes active groups
-``j``, ``j + GROUP_PROGRAMS``, ...), so the work does not grow with the number of configured slots
+``j``, ``j + programs``, ...), so the work does not grow with the number of configured slots
 (measured on the H200: with one program per group, a bank of 32 slots made the decode step 6 %
 slower than a bank of 1; walking every group from each program, 6-10 % once the shared-input groups
 made the launches wider). Nor does the launch: its programs per split, and the width of the group
 vectors the kernels load, follow :attr:`ActiveGroups.bound`, a bound on the active groups the host
-knows (the static decoder: the adapters of the step's rows, to a power of two). With the bound at
-the bank's size, one busy adapter of a 32-slot bank launched 8 programs per split where 1 works
-(H100, Qwen3-8B, 64 rows: 8.52 against 8.25 ms a step, the shrinks and expands 0.28 ms of it). Groups known to be zero (slot 0, with
-``skip_first``) and padding rows (from ``n_rows[0]`` on, an int32 device scalar) are skipped too.
-Launch grids and block sizes depend only on tensor shapes, never on the contents of ``offsets``
+knows (the static decoder: the adapters of the step's rows, to a power of two). Sized by the bank
+instead, one busy adapter of a 32-slot bank launched 8 programs per split where 1 works (H100,
+Qwen3-8B, 64 rows: 8.52 against 8.25 ms a step, the shrinks and expands 0.28 ms of it). Groups
+known to be zero (slot 0, with ``skip_first``) and padding rows (from ``n_rows[0]`` on, an int32
+device scalar) are skipped too. Launch grids and block sizes depend only on tensor shapes and that
+host bound, never on the contents of ``offsets``
 (nothing is read back on the host), so both kernels can be captured in a CUDA graph. ``h`` is kept
 in fp32 (the K-reduction is accumulated and summed in fp32; the atomic adds make its last bits
 depend on the order the splits land in); the expand

@@ -269,9 +269,8 @@ class StaticDecoder:
         of a graph's key: few busy adapters in a bank of many slots launch no idle programs, and a
         few graphs serve every mix."""
         busy = len(set(batch.slots) - {0})
-        if busy > lora_decode.GROUP_PROGRAMS:
-            return max(self.stacks.groups - 1, 1)
-        return min(1 << max(busy - 1, 0).bit_length(), max(self.stacks.groups - 1, 1))
+        slots = max(self.stacks.groups - 1, 1)
+        return slots if busy > lora_decode.GROUP_PROGRAMS else min(1 << (busy - 1).bit_length(), slots)
 
     def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0, adapters: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,6 +150,12 @@ def _timed(engine, reqs, rows: int, floor_bytes: float, before=None, roofline: b
         "tokens_per_s": tokens / wall,
         "ttft_s": st.first_token_time - t0,
         "prefill_s": st.prefill_seconds,
+        "prefill_passes": st.prefill_passes,
+        "prefill_tokens": st.prefill_tokens,
+        "prefill_tokens_saved": st.prefill_tokens_saved,
+        "prefix_pages_reused": st.prefix_pages_reused,
+        "admit_s": st.admit_seconds,
+        "decode_s": st.decode_seconds,
         "decode_steps": st.decode_steps,
         "decode_step_s": statistics.median(full) if full else float("nan"),
         "floor_step_s": floor_bytes / copy_bandwidth(),
@@ -249,9 +255,6 @@ def run_grpo(model, prompts, samples: int, new: int, rank: int, graphs: bool, st
     # the timed run starts cold: no prompt of it is cached yet
     out, _ = _timed(engine, reqs, n, floor_bytes, before=engine.clear_prefix_cache)
     out["ttft_cold_s"] = float("nan")
-    st = engine.stats
-    out.update(prefill_tokens=st.prefill_tokens, prefix_pages_reused=st.prefix_pages_reused,
-               prefill_tokens_saved=st.prefill_tokens_saved)
     del engine, bank
     gc.collect()
     return out
@@ -539,6 +542,11 @@ def main() -> None:
                     f" ({r['step_vs_roofline']:.2f}x)  ttft {r['ttft_s']:.2f}s  ttft cold {r['ttft_cold_s']:.2f}s"
                     f"  graphs={r['cuda_graphs']}"
                 )
+            if "admit_s" in r:
+                line += (
+                    f"  [wall: admission {r['admit_s']:.3f}s, prefill {r['prefill_s']:.3f}s in"
+                    f" {r['prefill_passes']} passes, decode {r['decode_s']:.3f}s]"
+                )
             if "longest_step_while_prefilling_s" in r:
                 line += (
                     f"  decode step {1e3 * r['decode_step_before_s']:.2f} ms before the long prompt, longest step "
@@ -548,7 +556,7 @@ def main() -> None:
                 )
             if "prefix_pages_reused" in r:
                 line += (
-                    f"  prefill {r['prefill_s']:.2f}s over {r['prefill_tokens']} tokens"
+                    f"  prefilled {r['prefill_tokens']} tokens"
                     f" ({r['prefill_tokens_saved']} saved, {r['prefix_pages_reused']} pages reused)"
                 )
             print(line, flush=True)

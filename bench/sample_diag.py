@@ -14,7 +14,9 @@ fused into one product, under cuBLAS and cuBLASLt (µs and the bandwidth reached
 Part ``prefill`` (workload b's: ``--prompts 256 --adapters 8``, a bank of ``--bank-slots``, default
 32): the prefill of ``--adapters`` busy adapters against one, over prompts the prefix index holds (as
 bench/sample.py's timed run finds them) and over unseen ones; wall time, the engine's prefill time,
-and the kernels' count and device time of the first.
+the engine's steps (prompt tokens, decode tokens, prompts still prefilling, seconds), and for the
+first the kernels' count and device time, the operators that take the most host time and the
+kernels that take the most device time.
 
 Part ``sampling``: device-synced wall time of the sampling pieces of a step (log-softmax, the
 token draw with and without top-p, the host's uniform numbers) on [64, vocab] logits.
@@ -163,6 +165,12 @@ def step_breakdown(model, prompts, new: int, rank: int, adapters: int = 1, bank_
     return out
 
 
+def _top(events, key: str, n: int = 12) -> list[tuple[str, int, float]]:
+    """The ``n`` profiler rows with the most ``key`` (µs): ``(name, count, ms)``."""
+    rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
+    return [(e.key[:60], e.count, round(getattr(e, key) / 1e3, 3)) for e in rows]
+
+
 def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> dict:
     """Workload b's prefill with ``adapters`` busy adapters against one (round-robin over the
     prompts, one request each, a bank of ``bank_slots``): the wall time and the engine's prefill
@@ -185,17 +193,24 @@ def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> 
             sync()
             st = engine.stats
             part[name] = {"wall_ms": 1e3 * (time.perf_counter() - t0), "prefill_ms": 1e3 * st.prefill_seconds,
-                          "passes": st.prefill_passes, "tokens": st.prefill_tokens, "saved": st.prefill_tokens_saved}
+                          "admit_ms": 1e3 * st.admit_seconds, "passes": st.prefill_passes,
+                          "tokens": st.prefill_tokens, "saved": st.prefill_tokens_saved,
+                          "steps": [list(r) for r in st.steps]}
         if DEVICE == "cuda":
+            from torch.autograd import DeviceType
             from torch.profiler import ProfilerActivity, profile
 
             sync()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 engine.generate(reqs)
                 sync()
-            kernels = [e for e in prof.key_averages() if e.device_time_total]
+            events = prof.key_averages()
+            kernels = [e for e in events if e.device_type == DeviceType.CUDA]
             part["cached"]["kernels"] = sum(e.count for e in kernels)
             part["cached"]["gpu_ms"] = sum(e.device_time_total for e in kernels) / 1e3
+            # where the host's time goes (operators by their own CPU time) and the device's
+            part["cached"]["host_ops"] = _top(events, "self_cpu_time_total")
+            part["cached"]["device_ops"] = _top(kernels, "device_time_total")
         print(f"prefill, {busy} adapter(s) of {bank_slots} slots: {part}", flush=True)
         out[f"adapters_{busy}"] = part
         del engine

@@ -163,6 +163,7 @@ class EngineStats:
     """Counters and timings (host wall time; a decode step is timed from the start of the call
     that reads it back to its end: with ``overlap_decode`` that call also queues the next step)."""
 
+    admit_seconds: float = 0.0  # admitting requests: their adapters' factors taken for the decoders
     prefill_passes: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -359,6 +360,7 @@ class SamplingEngine:
                 self.eager.refresh(slots)
                 if self.static is not None:
                     self.static.sync(slots)
+                self.stats.admit_seconds += time.perf_counter() - t0
             chunks = self.scheduler.chunks()
             if chunks:
                 prefilled = self._prefill(chunks, finished)

@@ -9,6 +9,7 @@ new adapter reproduces the base model exactly.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -113,6 +114,7 @@ class Adapter:
         self.slot = slot
         self.config = config
         self.layout = layout
+        self.serial = next(_SERIALS)  # tells this adapter apart from any other that held the slot
         self.flat = flat.requires_grad_()
         self._sizes = [math.prod(shape) for _, a, b in layout for shape in (a, b)]
         self.weights = self._views(flat.detach())
@@ -133,6 +135,18 @@ class Adapter:
     @property
     def scale(self) -> float:
         return self.config.alpha / self.config.rank
+
+    def module_scale(self, name: str) -> float:
+        """The LoRA scale of module ``name`` (:attr:`scale`, times its multiplier under
+        ``normalize_moe_lora``)."""
+        return self.scale * self.scale_multipliers.get(name, 1.0)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes whenever the factors may have: another adapter in the slot, or any in-place write
+        to the flat vector (optimizer steps, loads; views and detached aliases share its version
+        counter). Copies of the factors (the sampler's) are refreshed when it no longer matches."""
+        return self.serial, self.flat._version
 
     def view(self, dtype: torch.dtype, trainable: bool = True) -> AdapterView:
         """The factors for one forward pass, in ``dtype`` (one cast for the whole adapter)."""
@@ -194,6 +208,9 @@ class Adapter:
             moments[key] = flat
         step = next(state[f"{n}.step"] for n in names if f"{n}.step" in state)
         self.optimizer.load_state({"step": step, **moments})
+
+
+_SERIALS = itertools.count(1)
 
 
 def _factor_shapes(t: LoraTarget, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

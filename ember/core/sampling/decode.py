@@ -129,17 +129,21 @@ class EagerDecoder:
         self.max_positions = max_positions
         self.rope_tables: dict = {}
         self._views: dict[int, AdapterView] = {}
+        self._versions: dict[int, tuple[int, int]] = {}  # slot -> the adapter version of its view
 
     def refresh(self, slots: Iterable[int]) -> None:
-        """Take the current factors of ``slots`` (call when their requests are admitted)."""
-        for s in set(slots):
-            if s:
-                self._views[s] = self.bank.get(s).view(self.bank.dtype, trainable=False)
+        """Take the current factors of ``slots`` (call when their requests are admitted), where they
+        changed since they were last taken (:attr:`~ember.core.adapters.Adapter.version`)."""
+        for s in set(slots) - {0}:
+            adapter = self.bank.get(s)
+            if self._versions.get(s) != adapter.version:
+                self._views[s] = adapter.view(self.bank.dtype, trainable=False)
+                self._versions[s] = adapter.version
 
     def _route(self, batch: DecodeBatch) -> LoraRoute | None:
         runs = batch.slot_runs()
         for s in set(self._views) - {s for s, _, _ in runs}:
-            del self._views[s]  # no sequence of that adapter is left
+            del self._views[s], self._versions[s]  # no sequence of that adapter is left
         for s, _, _ in runs:
             if s and s not in self._views:
                 self.refresh([s])

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -254,7 +253,6 @@ class SamplingEngine:
         self.prefix: PrefixIndex | None = None
         if config.prefix_sharing and model.prefix_sharing:
             self.prefix = PrefixIndex(self.cache)
-        self._adapter_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_handle = 0
         self._next_seq = 0
         self._inflight: _Queued | None = None  # the decode step queued and not read back (overlap_decode)
@@ -506,10 +504,9 @@ class SamplingEngine:
         )
 
     def _prefix_keys(self, reqs: list[RequestState]) -> list | None:
-        """Each request's prefix-index key: its slot and the version of the adapter's weights (the
-        base model's are fixed; an adapter is told apart from an earlier one in the same slot, and
-        its flat factor vector's version counter moves at every in-place update: optimizer steps,
-        loads). Keys of a slot that no longer match are dropped. ``None``: sharing is off."""
+        """Each request's prefix-index key: its slot and the adapter's :attr:`~ember.core.adapters.
+        Adapter.version` (the base model's weights are fixed). Keys of a slot that no longer match
+        are dropped. ``None``: sharing is off."""
         if self.prefix is None:
             return None
         keys = [self._prefix_key(r.request.slot) for r in reqs]
@@ -520,13 +517,7 @@ class SamplingEngine:
         return keys
 
     def _prefix_key(self, slot: int) -> tuple:
-        if not slot:
-            return (0,)
-        adapter = self.bank.get(slot)
-        ident = self._adapter_ids.get(adapter)
-        if ident is None:
-            ident = self._adapter_ids[adapter] = _next_adapter_id()
-        return (slot, ident, adapter.flat._version)
+        return (slot, *self.bank.get(slot).version) if slot else (0,)
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prompt page (e.g. after changing the base weights in place)."""
@@ -873,13 +864,6 @@ class SamplingEngine:
             prompt_alt_logprobs=alt[1] if alt else None,
             routing_layers=r.outputs.get("routing_layers", ()),
         )
-
-
-_ADAPTER_IDS = iter(range(1, 1 << 62))
-
-
-def _next_adapter_id() -> int:
-    return next(_ADAPTER_IDS)
 
 
 def _runs(keys: list) -> list[tuple[object, int, int]]:

@@ -138,7 +138,7 @@ class LoraStacks:
         self.fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (A, B) of all members
         self.splits: dict[str, tuple[int, ...]] = {}  # group -> its members' output widths (B's diagonal blocks)
         self.member: dict[str, tuple[str, int]] = {}  # module -> (group, index in the group)
-        self.synced: set[int] = set()
+        self.synced: dict[int, tuple[int, int]] = {}  # slot -> the adapter version its factors are of
         self.version = 0  # bumped when the stacks are reallocated (captured graphs become stale)
         # expert factors: one group per synced slot with expert LoRA, after group 0 (zeros, for rows
         # without one); expert_group maps a slot to its group (see moe_token_group)
@@ -151,8 +151,10 @@ class LoraStacks:
         self.expert_group = torch.zeros(self.groups, dtype=torch.long, device=self.device)
 
     def sync(self, slots: Iterable[int]) -> None:
-        """Copy the current factors of ``slots`` (adapters of the bank) into the stacks."""
+        """Copy the current factors of ``slots`` (adapters of the bank) into the stacks, where they
+        changed since the last copy (:attr:`~ember.core.adapters.Adapter.version`)."""
         adapters = [self.bank.get(s) for s in sorted(set(slots)) if s]
+        adapters = [a for a in adapters if self.synced.get(a.slot) != a.version]
         if not adapters:
             return
         dense = [[n for n in a.weights if n in self.shapes] for a in adapters]
@@ -174,7 +176,7 @@ class LoraStacks:
                 grown = True
         if grown:  # new tensors: every synced adapter is copied again
             self.version += 1
-            previous, self.synced = self.synced, set()
+            previous, self.synced = self.synced, {}
             again = {s for s in previous if s in self.bank} - {a.slot for a in adapters}
             adapters = [self.bank.get(s) for s in sorted(again)] + adapters
         with torch.no_grad():
@@ -218,24 +220,27 @@ class LoraStacks:
     def _copy(self, adapter) -> None:
         s = adapter.slot
         for name, (A, B) in self.stacks.items():
-            A[s].zero_()
-            B[s].zero_()
-            w = adapter.weights.get(name)
-            if w is not None:
-                r = w.rank
-                A[s, :r].copy_(w.A)
-                B[s, :, :r].copy_(w.B * adapter.scale)
+            _put(A[s], B[s], adapter, name)
         if s in self.expert_slots:
             g = self.expert_slots.index(s)
             for name, (A, B) in self.experts.items():
-                A[:, g].zero_()
-                B[:, g].zero_()
-                w = adapter.weights.get(name)
-                if w is not None:
-                    r = w.rank
-                    A[:, g, :r].copy_(w.A)
-                    B[:, g, :, :r].copy_(w.B * adapter.scale)
-        self.synced.add(s)
+                _put(A[:, g], B[:, g], adapter, name)
+        self.synced[s] = adapter.version
+
+
+def _put(A: torch.Tensor, B: torch.Tensor, adapter, name: str) -> None:
+    """Module ``name``'s factors of ``adapter`` into its stack slices ``A`` ``[..., R, in]`` and ``B``
+    ``[..., out, R]``: the module's scale folded into ``B``, the ranks past the adapter's zeroed (all
+    of them where it does not adapt the module). Two to four launches: an adapter's copy is paid
+    at every admission after it changed (optimizer steps between rollouts)."""
+    w = adapter.weights.get(name)
+    r = 0 if w is None else w.rank
+    if r:
+        A[..., :r, :].copy_(w.A)
+        torch.mul(w.B, adapter.module_scale(name), out=B[..., :r])
+    if r < A.shape[-2]:
+        A[..., r:, :].zero_()
+        B[..., r:].zero_()
 
 
 class StaticRoute:

@@ -13,10 +13,11 @@ fused into one product, under cuBLAS and cuBLASLt (µs and the bandwidth reached
 
 Part ``prefill`` (workload b's: ``--prompts 256 --adapters 8``, a bank of ``--bank-slots``, default
 32): the prefill of ``--adapters`` busy adapters against one, over prompts the prefix index holds (as
-bench/sample.py's timed run finds them) and over unseen ones; wall time, the engine's prefill time,
-the engine's steps (prompt tokens, decode tokens, prompts still prefilling, seconds), and for the
-first the kernels' count and device time, the operators that take the most host time and the
-kernels that take the most device time.
+bench/sample.py's timed run finds them), over unseen ones, and over the first again after each adapter
+was written in place (as by an optimizer step: copied again, prompts not reused); wall time, the
+engine's admission and prefill time, the engine's steps (prompt tokens, decode tokens, prompts still
+prefilling, seconds), and for the first the kernels' count and device time, the operators that take
+the most host time and the kernels that take the most device time.
 
 Part ``sampling``: device-synced wall time of the sampling pieces of a step (log-softmax, the
 token draw with and without top-p, the host's uniform numbers) on [64, vocab] logits.
@@ -185,7 +186,12 @@ def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> 
         reqs = requests(prompts, 1, slots[:busy])
         engine.generate(reqs)  # compile, capture, and the prompts into the prefix index
         part = {}
-        for name, batch in (("cached", reqs), ("fresh", requests([p[::-1].copy() for p in prompts], 1, slots[:busy]))):
+        fresh = requests([p[::-1].copy() for p in prompts], 1, slots[:busy])
+        for name, batch in (("cached", reqs), ("fresh", fresh), ("updated", reqs)):
+            if name == "updated":  # an optimizer step's in-place write (same values): the adapters are
+                with torch.no_grad():  # copied into the decoder's stacks again, the prompts prefilled again
+                    for s in slots[:busy]:
+                        bank.get(s).flat.mul_(1.0)
             engine.stats = EngineStats()
             sync()
             t0 = time.perf_counter()

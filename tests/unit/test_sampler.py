@@ -109,10 +109,17 @@ def _trainer_distribution(worker, slot, tokens) -> np.ndarray:
     return out.logprobs[0]
 
 
-@pytest.mark.parametrize("family,softcap", [("qwen3", None), ("qwen3", 5.0), ("qwen3_moe", None)])
-def test_sampler_logprobs_equal_trainer_logprobs(family, softcap, hf_models):
+@pytest.mark.parametrize("family,softcap,static", [("qwen3", None, False), ("qwen3", 5.0, False), ("qwen3_moe", None, False),
+                                                   ("qwen3", None, True), ("qwen3_moe", None, True)])
+def test_sampler_logprobs_equal_trainer_logprobs(family, softcap, static, hf_models):
+    """Sampled, prompt and target logprobs equal the trainer's; ``static``: the static decoder's
+    steps, and prefill passes through its adapter stacks (``StaticDecoder.prefill_route``)."""
     _, path = hf_models[family]
-    worker = _worker(path)
+    worker = _worker(path, dataclasses.replace(CFG, static_decode=static))
+    passes = []
+    if static:
+        route = worker.sampler.static.prefill_route
+        worker.sampler.static.prefill_route = lambda *a: passes.append(a) or route(*a)
     worker.model.final_logit_softcap = softcap
     (slot,) = _adapters(worker, [LoraConfig(rank=4, alpha=16.0, seed=2)], scale=0.1)  # attn, mlp, unembed
     prompt = random_sequences(VOCAB, [9], seed=5)[0]
@@ -156,6 +163,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(family, softcap, hf_models):
     (alone,) = worker.sample([req])
     for a, b in zip(alone.sequences, out.sequences):
         assert a.tokens.tolist() == b.tokens.tolist()
+    assert (worker.sampler.static is not None) == static and bool(passes) == static
 
 
 # -- sampling parameters --------------------------------------------------------------------------

@@ -418,7 +418,8 @@ class SamplingEngine:
                 prefix_lens=[start[i] for i in order],
                 block_tables=[reqs[i].sequences[0].pages for i in order],
             ),
-            lora=self.bank.route(batch.groups),
+            lora=(self.static.prefill_route(batch.groups, batch.num_tokens) if self.static is not None
+                  else self.bank.route(batch.groups)),
             seq_lens=batch.doc_lengths,
             state=self.states.view([reqs[i].sequences[0].id for i in order]),
             routing=RoutingRecord(record={}) if record else None,

@@ -145,6 +145,24 @@ class StaticDecoder:
         """Refresh the adapter stacks of ``slots`` (call when their requests are admitted)."""
         self.stacks.sync(slots)
 
+    def prefill_route(self, groups: list[tuple[object, int, int]], rows: int) -> StaticRoute:
+        """The LoRA route of a prefill pass of ``rows`` tokens sorted by slot (``groups``:
+        :func:`~ember.core.batch.pack`'s ``(slot or (slot, trainable), start, end)`` runs) over the
+        decode steps' stacks and packed weights, through grouped products: one shrink and one
+        expand a module (a shared-input group) for any number of adapters in the pass, where a
+        product per adapter launched two per adapter and module. The pass's adapters are synced
+        first (a no-op unless they changed since their admission)."""
+        slots = [key[0] if isinstance(key, tuple) else key for key, _, _ in groups]
+        if slots != sorted(slots):
+            raise ValueError(f"prefill_route: rows must be sorted by slot, got slots {slots}")
+        self.sync(slots)
+        counts = np.zeros(self.stacks.groups, dtype=np.int64)
+        for slot, (_, a, b) in zip(slots, groups, strict=True):
+            counts[slot] += b - a
+        offsets = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(self.cache.device)
+        return StaticRoute(self.stacks, offsets, packed=self.packed, lora=bool(counts[1:].any()), rows=rows,
+                           kernels=False)
+
     def _version(self) -> tuple[int, int, int]:
         """Changes when a tensor the captured graphs read is replaced: the adapter stacks, the
         rollout copies of the weights, the recurrent state's slabs."""

@@ -267,7 +267,11 @@ class StaticRoute:
 
     ``max_active``: at most this many slots have real rows (the caller knows it from the step's
     rows; it must hold, see :class:`~ember.core.kernels.lora_decode.ActiveGroups`). The LoRA kernels'
-    launches are sized by it, so a bank's unused slots do not widen them; ``None``: every slot may."""
+    launches are sized by it, so a bank's unused slots do not widen them; ``None``: every slot may.
+
+    ``kernels=False``: grouped products (``torch._grouped_mm``) instead of the decode kernels, which
+    are made for a step's few rows: a prefill pass's route
+    (:meth:`~ember.core.sampling.graphs.StaticDecoder.prefill_route`)."""
 
     def __init__(
         self,
@@ -279,6 +283,7 @@ class StaticRoute:
         rows: int | None = None,
         gemm: decode_gemm.Workspace | None = None,
         max_active: int | None = None,
+        kernels: bool = True,
     ):
         self.stacks = stacks
         self.offsets = offsets
@@ -293,6 +298,7 @@ class StaticRoute:
         self._workspace: torch.Tensor | None = None
         self._used = 0
         self.max_active = max_active  # at most this many slots have rows (None: any of the bank's)
+        self.kernels = kernels  # the decode kernels where they run; False: grouped products
         self._active: lora_decode.ActiveGroups | None = None
 
     @property
@@ -315,7 +321,7 @@ class StaticRoute:
         return out
 
     def _triton(self, *tensors: torch.Tensor) -> bool:
-        return lora_decode.triton_ok(*tensors) and fused.use_triton(self.offsets)
+        return self.kernels and lora_decode.triton_ok(*tensors) and fused.use_triton(self.offsets)
 
     def _group_h(self, key: str, x: torch.Tensor, triton: bool) -> torch.Tensor:
         """``x @ A.T`` of every member of group ``key`` (``[N, members · r]``), once per input."""

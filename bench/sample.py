@@ -39,7 +39,9 @@ captures CUDA graphs), the median decode step at full batch against its memory-b
 H200, 3.0 on the H100), the same against the step's roofline (each matmul weight's bytes at that
 bandwidth or its products' FLOPs at the 790 TFLOP/s bf16 matmul peak, whichever is longer, plus
 the other bytes at the bandwidth: at workload b's 256 rows Qwen3-8B's products are bound by the
-tensor cores, not by the bytes; bf16 rollouts only), and time to the first token.
+tensor cores, not by the bytes; bf16 rollouts only), time to the first token, where the wall time
+went (admission: the adapters' factors taken for the decoders; prefill and its passes; decode) and
+the prompt tokens prefilled and saved by the prefix index.
 "ttft cold" is from engine construction (model already in memory) to the first sampled token of a
 one-prompt request: KV allocation, Triton compilation and the first graph capture included.
 

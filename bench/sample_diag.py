@@ -174,10 +174,11 @@ def _top(events, key: str, n: int = 12) -> list[tuple[str, int, float]]:
 
 def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> dict:
     """Workload b's prefill with ``adapters`` busy adapters against one (round-robin over the
-    prompts, one request each, a bank of ``bank_slots``): the wall time and the engine's prefill
-    time of a pass over prompts the prefix index holds (as ``bench/sample.py``'s timed run finds
-    them) and over prompts it has not seen, and the GPU kernels of the first (launches and device
-    time; the rest of its wall time is the host's)."""
+    prompts, one request each, a bank of ``bank_slots``): the wall, admission and prefill time and
+    the engine's steps of a run over prompts the prefix index holds (as ``bench/sample.py``'s timed
+    run finds them), over prompts it has not seen, and over the first again after an in-place write
+    to each adapter (the copy round an optimizer step costs); on the GPU, a profile of the first
+    (launches and device time, the top host operators and kernels)."""
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, adapters, rank)
     out = {}

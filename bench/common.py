@@ -574,6 +574,8 @@ SHAPES: dict[str, dict] = {
     "qwen3-8b": QWEN3_8B,
     "qwen3-8b-16l": {**QWEN3_8B, "num_hidden_layers": 16},  # full fine-tuning: both optimizer layouts fit
     "qwen3-30b-a3b": QWEN3_30B_A3B,
+    # half the layers: the bf16 weights (31 GB) and their fp8 rollout copy (15 GB) fit one H100
+    "qwen3-30b-a3b-24l": {**QWEN3_30B_A3B, "num_hidden_layers": 24},
     "olmo3-7b": OLMO3_7B,
     "glm-4.7-flash": GLM_4_7_FLASH,
     "deepseek-v3-4l": DEEPSEEK_V3_4L,

@@ -91,10 +91,12 @@ SCRIPT = textwrap.dedent(
     assert len(calls) == 2
     assert float((fast.float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
 
-    # the LoRA term in the same pass: pairs (expert, group), rows of several groups in one expert,
-    # ranks below and above the epilogue's rank block, against fp64
-    for T, E, k, N, K, G, r in ((6, 4, 2, 128, 128, 1, 4), (11, 5, 2, 256, 256, 3, 6), (9, 4, 3, 64, 96, 2, 8)):
-        x, rows, offsets = case(T, E, k, N, K)
+    # the LoRA term in the same pass: pairs (expert, group), rows of several groups in one expert
+    # and in one tile, ranks below and above 16 (the epilogue's smallest rank block), against fp64
+    # (the first case crowds one expert: 64-row tiles whose rows span all three groups)
+    for T, E, k, N, K, G, r, crowd in ((140, 2, 1, 128, 128, 3, 20, True), (6, 4, 2, 128, 128, 1, 4, False),
+                                       (11, 5, 2, 256, 256, 3, 6, False), (9, 4, 3, 64, 96, 2, 8, False)):
+        x, rows, offsets = case(T, E, k, N, K, crowd)
         w = (torch.randn(E, N, K, generator=g) * K**-0.5).bfloat16()
         A = (torch.randn(E * G, r, K, generator=g) * K**-0.5).bfloat16()
         B = (torch.randn(E * G, N, r, generator=g) * 0.5).bfloat16()

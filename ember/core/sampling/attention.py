@@ -535,12 +535,19 @@ class PrefillAttention:
             self._fresh_rows = (
                 torch.cat([torch.arange(starts[i], starts[i + 1]) for i in fresh]).to(cache.device) if fresh else None
             )
-            # continued documents grouped by (prefix, own tokens): one batched attention per group
+            # continued documents grouped by (prefix, own tokens): one batched attention per group,
+            # its rows of the pass ([B, n]) and page tables ([B, pages]) made once for every layer
             groups: dict[tuple[int, int], list[int]] = {}
             for i, p in enumerate(self.prefix_lens):
                 if p:
                     groups.setdefault((p, self.doc_lengths[i]), []).append(i)
-            self._groups = [(p, n, [starts[i] for i in docs], [i for i in docs]) for (p, n), docs in groups.items()]
+            ps = cache.page_size
+            self._groups = [
+                (p, n, (torch.tensor([starts[i] for i in docs])[:, None] + torch.arange(n)).to(cache.device),
+                 torch.tensor([block_tables[i][: -(-(p + n) // ps)] for i in docs], dtype=torch.long,
+                              device=cache.device))
+                for (p, n), docs in groups.items()
+            ]
         if positions is None:
             positions = torch.cat([torch.arange(n, device=cache.device) for n in self.doc_lengths])
         self.positions = positions
@@ -572,8 +579,11 @@ class PrefillAttention:
         key of theirs from the pages (the prefix's and, written just before, their own), masked
         causally (and by the window) at their true positions; the others run the packed call.
         Without a window the mask is causal aligned to the last key (``causal_lower_right``), which
-        SDPA runs in its flash or memory-efficient kernel on CUDA instead of materialising it: a
-        long prompt's later chunks attend over all of its cached keys."""
+        SDPA runs in its flash kernel on CUDA instead of materialising it (a long prompt's later
+        chunks attend over all of its cached keys), with the query heads of a key head read against
+        it (``enable_gqa``): the keys and values are not repeated per query head. With a window the
+        boolean mask needs the memory-efficient kernel, which takes no grouped heads: they are
+        repeated."""
         T, Hq, _ = q.shape
         out = q.new_empty(T, Hq, v.shape[-1])
         if self.packed is not None:
@@ -584,21 +594,19 @@ class PrefillAttention:
         window = _window(spec)
         Hkv = kc.shape[2]
         rep = Hq // Hkv
-        for prefix, n, starts, docs in self._groups:
+        for prefix, n, rows, tables in self._groups:
             L = prefix + n
-            width = -(-L // ps)
+            width = tables.shape[1]
             if window:
                 d = torch.arange(prefix, L, device=q.device)[:, None] - torch.arange(L, device=q.device)[None, :]
                 mask = (d >= 0) & (d < window)
-            rows = torch.stack([torch.arange(s, s + n) for s in starts]).to(q.device)  # [B, n]
-            tables = torch.tensor([self.block_tables[i][:width] for i in docs], dtype=torch.long, device=q.device)
             per_doc = max(1, self.CONTINUED_ELEMENTS // max(1, Hq * n * L))
-            for b0 in range(0, len(docs), per_doc):
+            for b0 in range(0, tables.shape[0], per_doc):
                 t = tables[b0 : b0 + per_doc]
                 B = t.shape[0]
                 kk = kc[t].reshape(B, width * ps, Hkv, -1)[:, :L].to(q.dtype).transpose(1, 2)
                 vv = vc[t].reshape(B, width * ps, Hkv, -1)[:, :L].to(q.dtype).transpose(1, 2)
-                if rep > 1:
+                if rep > 1 and window:
                     kk = kk.repeat_interleave(rep, dim=1)
                     vv = vv.repeat_interleave(rep, dim=1)
                 r = rows[b0 : b0 + per_doc]
@@ -613,7 +621,8 @@ class PrefillAttention:
                     else:  # rows c0..c1 see the keys up to their own position prefix + c1 - 1
                         hi = prefix + c1
                         o = F.scaled_dot_product_attention(qq[:, :, c0:c1], kk[:, :, :hi], vv[:, :, :hi],
-                                                           attn_mask=causal_lower_right(c1 - c0, hi), scale=scale)
+                                                           attn_mask=causal_lower_right(c1 - c0, hi), scale=scale,
+                                                           enable_gqa=rep > 1)
                     out[r[:, c0:c1].reshape(-1)] = o.transpose(1, 2).reshape(B * (c1 - c0), Hq, -1)
         return out
 

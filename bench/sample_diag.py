@@ -178,7 +178,7 @@ def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> 
     the engine's steps of a run over prompts the prefix index holds (as ``bench/sample.py``'s timed
     run finds them), over prompts it has not seen, and over the first again after an in-place write
     to each adapter (the copy round an optimizer step costs); on the GPU, a profile of the first
-    (launches and device time, the top host operators and kernels)."""
+    (launches and device time, the top host operators, kernels, and operators by input shapes)."""
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, adapters, rank)
     out = {}
@@ -208,7 +208,7 @@ def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> 
             from torch.profiler import ProfilerActivity, profile
 
             sync()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                 engine.generate(reqs)
                 sync()
             events = prof.key_averages()
@@ -218,6 +218,11 @@ def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> 
             # where the host's time goes (operators by their own CPU time) and the device's
             part["cached"]["host_ops"] = _top(events, "self_cpu_time_total")
             part["cached"]["device_ops"] = _top(kernels, "device_time_total")
+            # the operators whose own kernels took the most device time, by input shapes
+            by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.device_type == DeviceType.CPU]
+            by_shape = sorted(by_shape, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+            part["cached"]["ops_by_shape"] = [(e.key[:60], str(e.input_shapes)[:120], e.count,
+                                               round(e.self_device_time_total / 1e3, 3)) for e in by_shape]
         print(f"prefill, {busy} adapter(s) of {bank_slots} slots: {part}", flush=True)
         out[f"adapters_{busy}"] = part
         del engine

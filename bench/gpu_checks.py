@@ -97,6 +97,34 @@ def check_attention() -> None:
                 report(f"varlen vs sdpa {spec.kind} d={d} dv={dv} {n}", rel(outs["varlen"][i], outs["sdpa"][i]), 2e-2)
 
 
+def check_continued() -> None:
+    """Prefill attention over a cached prompt prefix (``PrefillAttention._continued``: the pages'
+    keys gathered, SDPA with a lower-right causal mask; GQA read by flash without repeating the keys,
+    a window through the repeated keys) against the whole prompts in one packed call, bf16."""
+    from ember.core.sampling.attention import PrefillAttention
+    from ember.core.sampling.kv_cache import PagedKVCache
+
+    torch.manual_seed(0)
+    ps, Hq, Hkv, D = 16, 32, 8, 128
+    lengths, prefixes = [640, 530, 640, 300, 96], [512, 0, 512, 256, 64]
+    for spec in (AttentionSpec("global"), AttentionSpec("sliding", 256)):
+        cache = PagedKVCache(sum(-(-n // ps) for n in lengths) + 1, ps, torch.bfloat16, "cuda")
+        tables = [[cache.allocate() for _ in range(-(-n // ps))] for n in lengths]
+        q, k, v = (torch.randn(sum(lengths), h, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+        full = PackedAttention(lengths, q.device)(q, k, v, spec, D**-0.5)
+        starts = np.cumsum([0] + lengths)
+        prefix_rows = torch.tensor([j for s, p in zip(starts, prefixes) for j in range(s, s + p)], device="cuda")
+        cache.write(0, k[prefix_rows], v[prefix_rows],
+                    torch.tensor([x for t, p in zip(tables, prefixes) for x in cache.slots(t, 0, p)], device="cuda"))
+        rows = torch.tensor([j for s, n, p in zip(starts, lengths, prefixes) for j in range(s + p, s + n)], device="cuda")
+        slots = torch.tensor([x for t, n, p in zip(tables, lengths, prefixes) for x in cache.slots(t, p, n - p)],
+                             device="cuda")
+        attend = PrefillAttention(cache, slots, [n - p for n, p in zip(lengths, prefixes)],
+                                  prefix_lens=prefixes, block_tables=tables)
+        out = attend(0, q[rows], k[rows], v[rows], spec, D**-0.5)
+        report(f"continued prefix attention {spec.kind}", rel(out, full[rows]), 1e-2)
+
+
 def check_grouped() -> None:
     torch.manual_seed(0)
     x = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16)
@@ -1311,6 +1339,7 @@ CHECKS = {
     "gdn": lambda: check_gdn(),
     "sampling": lambda: check_sampling(),
     "attention": lambda: check_attention(),
+    "continued": lambda: check_continued(),
     "grouped": lambda: check_grouped(),
     "fused": lambda: check_fused_kernels(),
     "norm_rope": lambda: check_norm_rope(),

@@ -172,18 +172,19 @@ def _top(events, key: str, n: int = 12) -> list[tuple[str, int, float]]:
     return [(e.key[:60], e.count, round(getattr(e, key) / 1e3, 3)) for e in rows]
 
 
-def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> dict:
+def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int, precision: str = "bf16") -> dict:
     """Workload b's prefill with ``adapters`` busy adapters against one (round-robin over the
     prompts, one request each, a bank of ``bank_slots``): the wall, admission and prefill time and
     the engine's steps of a run over prompts the prefix index holds (as ``bench/sample.py``'s timed
     run finds them), over prompts it has not seen, and over the first again after an in-place write
     to each adapter (the copy round an optimizer step costs); on the GPU, a profile of the first
-    (launches and device time, the top host operators, kernels, and operators by input shapes)."""
+    (launches and device time, the top host operators, kernels, and operators by input shapes).
+    ``precision``: the engine's rollout precision (``SamplerConfig.rollout_precision``)."""
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, adapters, rank)
     out = {}
     for busy in sorted({1, adapters}):
-        engine = make_engine(model, bank, len(prompts), len(prompts[0]), 1, None, True)
+        engine = make_engine(model, bank, len(prompts), len(prompts[0]), 1, None, True, rollout_precision=precision)
         reqs = requests(prompts, 1, slots[:busy])
         engine.generate(reqs)  # compile, capture, and the prompts into the prefix index
         part = {}
@@ -223,7 +224,7 @@ def prefill_parts(model, prompts, rank: int, adapters: int, bank_slots: int) -> 
             by_shape = sorted(by_shape, key=lambda e: e.self_device_time_total, reverse=True)[:12]
             part["cached"]["ops_by_shape"] = [(e.key[:60], str(e.input_shapes)[:120], e.count,
                                                round(e.self_device_time_total / 1e3, 3)) for e in by_shape]
-        print(f"prefill, {busy} adapter(s) of {bank_slots} slots: {part}", flush=True)
+        print(f"prefill, {precision}, {busy} adapter(s) of {bank_slots} slots: {part}", flush=True)
         out[f"adapters_{busy}"] = part
         del engine
     return out
@@ -353,6 +354,8 @@ def main() -> None:
                     help="steps: SamplerConfig.decode_gemm (Ember's decode GEMM for the dense products)")
     ap.add_argument("--gemm-configs", type=Path, default=None,
                     help="steps: decode GEMM launch choices measured by bench/decode_gemm.py --out")
+    ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
+                    help="prefill: the sampler's rollout precision")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -372,7 +375,8 @@ def main() -> None:
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "prefill" in only:
-        results["prefill"] = prefill_parts(model, prompts, args.rank, args.adapters, args.bank_slots or 32)
+        results["prefill"] = prefill_parts(model, prompts, args.rank, args.adapters, args.bank_slots or 32,
+                                           args.rollout_precision)
     if "gemm" in only:
         results["gemm"] = gemm_parts(model, args.prompts)
     if "sampling" in only:

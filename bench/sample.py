@@ -34,7 +34,8 @@ every sequence generates exactly --new tokens):
              of workload a (the trainer's packed forward, same weights)
 
 For each Ember workload: generated tokens/s (third run; the first two compile kernels and
-capture CUDA graphs, the second with the prompts in the prefix index as the timed run finds them), the median decode step at full batch against its memory-bandwidth floor
+capture CUDA graphs, the second with the prompts in the prefix index as the timed run finds them),
+the median decode step at full batch against its memory-bandwidth floor
 ((weights + LoRA factors + KV cache read per step) / the GPU's measured copy bandwidth: 4.3 TB/s on the
 H200, 3.0 on the H100), the same against the step's roofline (each matmul weight's bytes at that
 bandwidth or its products' FLOPs at the 790 TFLOP/s bf16 matmul peak, whichever is longer, plus

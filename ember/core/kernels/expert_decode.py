@@ -31,8 +31,9 @@ another call on an H100).
   gather, two grouped products (CUTLASS, ~29 µs each on an H200 at 4 rows per expert), a scale and
   an add. (The epilogue was first a broadcast sum, row by row, of ``[BLOCK_N, BLOCK_M, 4]``
   temporaries, addressed by as many 64-bit pointers: at a prefill's 64-row tiles the fp8 kernel
-  spilled 5,020 bytes a thread, against 1,924 now and 1,940 without LoRA (ptxas for sm_90a), and
-  an fp8 MoE rollout's prefill took 6× the bf16 one's.)
+  spilled 5,020 bytes a thread, against 1,924 now and 1,940 without LoRA (ptxas for sm_90a). On an
+  H100, Qwen3-30B-A3B's down projection with rank-32 LoRA went from 1,600 to 188 µs at 1,024 tokens
+  and from 124 to 89 µs at 64, in fp8; docs/performance.md, 2026-12-07.)
 
 The launch depends only on shapes (``offsets`` stays on the device), so a decode step captures it.
 ``bench/fp8_decode_gemm.py --only experts`` times it against ``torch._grouped_mm``.
@@ -99,8 +100,8 @@ if fused.HAVE_TRITON:
                 if LORA:
                     # + scale · h·B[p]ᵀ, ``h`` the rows' fp32 shrink and ``p = e·G + group`` each
                     # row's (expert, adapter group) pair. Rows of several adapters may share the
-                    # tile: one fp32 product per group between the tile's first and last, over the
-                    # rows of that group (the others masked to zero)
+                    # tile: products for each group from the tile's first to its last, over that
+                    # group's rows (the others' h masked to zero, which adds nothing to them)
                     grp = tl.load(GRP + r, mask=rmask, other=0)
                     s = tl.load(LS + r, mask=rmask, other=0.0).to(tl.float32)
                     rr = tl.arange(0, BLOCK_R)

@@ -22,7 +22,8 @@ every sequence generates exactly --new tokens):
 * grpo       GRPO-shaped rollouts: --grpo-prompts (64) prompts x --grpo-samples (8) samples, each
              sample its own request (as an RL client sends a group), --grpo-prompt-len (512) tokens
              -> --new (256) tokens, one adapter, prefix sharing on: a group's prompt is prefilled
-             once and its pages shared (the prefix cache is emptied before the timed run)
+             once and its pages shared (the prefix cache is emptied before the timed run); its
+             floor reads a group's prompt pages once
 * grpo-noshare  the same with prefix sharing off (every request prefills its whole prompt)
 * stall      chunked prefill: workload a's sequences decoding, then one --long-prompt (16384) token
              prompt arrives; the per-step budget is --step-tokens (2048): the long prompt is
@@ -253,12 +254,15 @@ def run_grpo(model, prompts, samples: int, new: int, rank: int, graphs: bool, st
         prefix_sharing=sharing,
     )
     engine = SamplingEngine(model, bank, config, max_seq_len=plen + new + page)
+    engine.generate([GenerationRequest(prompts[0], 1, [0], slot=slot)])  # the KV cache's layers allocated
     reqs = [
         GenerationRequest(p, new, [1000 * i + j], slot=slot, temperature=1.0, stop=StopRule())
         for i, p in enumerate(prompts)
         for j in range(samples)
     ]
-    floor_bytes = weight_bytes(model, bank, [slot]) + n * (plen + new / 2) * engine.cache.nbytes_per_token()
+    # the KV a step must read: with sharing, a group's prompt pages once for all its samples
+    kv_tokens = (len(prompts) if sharing else n) * plen + n * new / 2
+    floor_bytes = weight_bytes(model, bank, [slot]) + kv_tokens * engine.cache.nbytes_per_token()
     # the timed run starts cold: no prompt of it is cached yet
     out, _ = _timed(engine, reqs, n, floor_bytes, before=engine.clear_prefix_cache)
     out["ttft_cold_s"] = float("nan")

@@ -11,8 +11,10 @@ import torch
 
 from ember.core.adapters import LoraConfig
 from ember.core.sampling import SamplerConfig
+from ember.types import SampleInput, SamplingParams
 from tests.lora_helpers import randomise
-from tests.unit.test_sampler import _mixed_requests, _worker, decoded
+from tests.tiny_models import random_sequences
+from tests.unit.test_sampler import VOCAB, _mixed_requests, _worker, decoded
 
 STATIC = SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True)
 # experts at rank 4 / top_k (2) with scale alpha / 2: twice the attention modules' scale
@@ -95,3 +97,32 @@ def test_static_decode_scales_normalized_expert_lora(hf_models):
     for s_run, e_run in zip(static, eager, strict=True):
         for (_, s_lp), (_, e_lp) in zip(s_run, e_run, strict=True):
             np.testing.assert_allclose(s_lp, e_lp, atol=1e-5, rtol=0)
+
+
+def test_eager_views_only_where_the_eager_decoder_runs(hf_models):
+    """Beside a static decoder, the eager decoder casts an adapter only for the steps it runs (those
+    that record MoE routing), then keeps that cast current at each admission; the routing record's
+    logprobs are the static decoder's."""
+    _, path = hf_models["qwen3_moe"]
+    worker = _worker(path, STATIC)
+    slot = worker.create_adapter(NORMALIZED)
+    adapter = worker.adapter(slot)
+    randomise(adapter, seed=7)
+    eager = worker.sampler.eager
+    reqs = _mixed_requests([slot])
+    static = decoded(worker.sample(reqs))
+    assert eager._views == {}  # every step was the static decoder's: no second copy of the factors
+
+    prompt = random_sequences(VOCAB, [7], seed=13)[0]
+    params = SamplingParams(max_tokens=6, seed=2, stop=[])
+    (plain,) = worker.sample([SampleInput(slot, np.array(prompt), params, num_samples=2)])  # static
+    assert eager._views == {}
+    (recorded,) = worker.sample([SampleInput(slot, np.array(prompt), params, num_samples=2, record_routing=True)])
+    assert set(eager._views) == {slot} and eager._versions[slot] == adapter.version
+    for a, b in zip(plain.sequences, recorded.sequences, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+    randomise(adapter, seed=8)  # an optimizer step: the view is taken again at the next admission
+    assert decoded(worker.sample(reqs)) != static
+    assert eager._versions[slot] == adapter.version

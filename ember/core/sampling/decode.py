@@ -111,7 +111,10 @@ class EagerDecoder:
     included); tensors are built per step.
 
     Each adapter is cast to the activation dtype once when its request is admitted (:meth:`refresh`),
-    not at every step: a step would otherwise re-read every adapter's fp32 factors.
+    not at every step: a step would otherwise re-read every adapter's fp32 factors. Beside a
+    static decoder, which keeps the factors in its own stacks and leaves this one only the steps
+    that record MoE routing, the cast is made at the first step that needs it (``create=False`` at
+    admission): the adapters that never decode here are not held twice.
     """
 
     def __init__(
@@ -131,10 +134,14 @@ class EagerDecoder:
         self._views: dict[int, AdapterView] = {}
         self._versions: dict[int, tuple[int, int]] = {}  # slot -> the adapter version of its view
 
-    def refresh(self, slots: Iterable[int]) -> None:
+    def refresh(self, slots: Iterable[int], create: bool = True) -> None:
         """Take the current factors of ``slots`` (call when their requests are admitted), where they
-        changed since they were last taken (:attr:`~ember.core.adapters.Adapter.version`)."""
+        changed since they were last taken (:attr:`~ember.core.adapters.Adapter.version`);
+        ``create=False``: only for slots that have a view (the others get theirs at their first
+        step here)."""
         for s in set(slots) - {0}:
+            if not create and s not in self._views:
+                continue
             adapter = self.bank.get(s)
             if self._versions.get(s) != adapter.version:
                 self._views[s] = adapter.view(self.bank.dtype, trainable=False)

@@ -355,7 +355,7 @@ class SamplingEngine:
             admitted = self.scheduler.admit()
             if admitted:
                 slots = [r.request.slot for r in admitted]
-                self.eager.refresh(slots)
+                self.eager.refresh(slots, create=self.static is None)
                 if self.static is not None:
                     self.static.sync(slots)
                 self.stats.admit_seconds += time.perf_counter() - t0

@@ -7,6 +7,9 @@ dense products through Ember's decode GEMM): splits the
 engine's decode step into the decoder (CUDA-graph replay), log-softmax + sampling, and the host's
 bookkeeping (each part timed with a device sync); times the captured graph alone with CUDA events;
 and lists the GPU kernels of decode steps run without graphs (torch.profiler, ms per step).
+``--group-samples G`` sends each prompt G times, one request each, as an RL client sends a group:
+the G sequences share the prompt's pages (workload grpo: ``--prompts 64 --prompt-len 512
+--group-samples 8``).
 
 Part ``gemm``: one layer's base GEMMs at the batch's row count, alone and with q/k/v and gate/up
 fused into one product, under cuBLAS and cuBLASLt (µs and the bandwidth reached).
@@ -31,6 +34,7 @@ sampled token comes from the prefill pass, the rest from decode steps: both are 
     python bench/sample_diag.py --out $OUT                  # on the GPU
     python bench/sample_diag.py --only steps --prompts 256 --adapters 8 --bank-slots 32 --out $OUT
     python bench/sample_diag.py --only prefill --prompts 256 --adapters 8 --out $OUT
+    python bench/sample_diag.py --only steps --prompts 64 --prompt-len 512 --group-samples 8 --out $OUT
     python bench/sample_diag.py --shape tiny --new 8        # CPU smoke test
 """
 
@@ -354,6 +358,8 @@ def main() -> None:
                     help="steps: SamplerConfig.decode_gemm (Ember's decode GEMM for the dense products)")
     ap.add_argument("--gemm-configs", type=Path, default=None,
                     help="steps: decode GEMM launch choices measured by bench/decode_gemm.py --out")
+    ap.add_argument("--group-samples", type=int, default=1,
+                    help="steps: requests per prompt, sharing its pages (GRPO's group size)")
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                     help="prefill: the sampler's rollout precision")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -370,7 +376,8 @@ def main() -> None:
             from ember.core.kernels import decode_gemm
 
             decode_gemm.load_tuned(args.gemm_configs)
-        r = step_breakdown(model, prompts, args.new, args.rank, args.adapters, args.bank_slots,
+        grouped = [p for p in prompts for _ in range(args.group_samples)]  # a group's requests in a row
+        r = step_breakdown(model, grouped, args.new, args.rank, args.adapters, args.bank_slots,
                            dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm))
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r

@@ -94,12 +94,15 @@ SCRIPT = textwrap.dedent(
     # the LoRA term in the same pass: pairs (expert, group), rows of several groups in one expert
     # and in one tile, ranks below and above 16 (the epilogue's smallest rank block), against fp64
     # (the first case crowds one expert: 64-row tiles whose rows span all three groups)
-    for T, E, k, N, K, G, r, crowd in ((140, 2, 1, 128, 128, 3, 20, True), (6, 4, 2, 128, 128, 1, 4, False),
-                                       (11, 5, 2, 256, 256, 3, 6, False), (9, 4, 3, 64, 96, 2, 8, False)):
+    # (fdt: the factors' dtype; fp32 factors take the epilogue's one fp32 product)
+    for T, E, k, N, K, G, r, crowd, fdt in (
+            (140, 2, 1, 128, 128, 3, 20, True, torch.bfloat16), (6, 4, 2, 128, 128, 1, 4, False, torch.bfloat16),
+            (10, 4, 2, 128, 128, 2, 8, False, torch.float32), (11, 5, 2, 256, 256, 3, 6, False, torch.bfloat16),
+            (9, 4, 3, 64, 96, 2, 8, False, torch.bfloat16)):
         x, rows, offsets = case(T, E, k, N, K, crowd)
         w = (torch.randn(E, N, K, generator=g) * K**-0.5).bfloat16()
-        A = (torch.randn(E * G, r, K, generator=g) * K**-0.5).bfloat16()
-        B = (torch.randn(E * G, N, r, generator=g) * 0.5).bfloat16()
+        A = (torch.randn(E * G, r, K, generator=g) * K**-0.5).bfloat16().to(fdt)
+        B = (torch.randn(E * G, N, r, generator=g) * 0.5).bfloat16().to(fdt)
         expert = torch.repeat_interleave(torch.arange(E), torch.diff(offsets, prepend=offsets.new_zeros(1)))
         grp = torch.randint(0, G, (rows.shape[0],), generator=g)
         order = torch.sort(expert * G + grp, stable=True).indices  # rows sorted by (expert, group)

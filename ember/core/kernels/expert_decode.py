@@ -26,8 +26,8 @@ another call on an H100).
 * the batch's LoRA on the experts (:class:`ExpertLora`): its shrink ``x·A[p]ᵀ`` (rank ≤ 32 per
   expert) is one launch of the same kernel over the (expert, adapter group) pairs, and its expand
   ``scale · h·B[p]ᵀ`` is added in the product's epilogue before the one rounding: for each adapter
-  group with rows in the tile, two tensor-core products of ``B[p]`` with the fp32 ``h`` split into a
-  high and a low bf16 part (16 bits of its mantissa). Before the kernel, a projection's LoRA ran a
+  group with rows in the tile, tensor-core products of ``B[p]`` with the fp32 ``h`` split into three
+  bf16 parts (all 24 bits of its mantissa: the sum is fp32's). Before the kernel, a projection's LoRA ran a
   gather, two grouped products (CUTLASS, ~29 µs each on an H200 at 4 rows per expert), a scale and
   an add. (The epilogue was first a broadcast sum, row by row, of ``[BLOCK_N, BLOCK_M, 4]``
   temporaries, addressed by as many 64-bit pointers: at a prefill's 64-row tiles the fp8 kernel
@@ -115,10 +115,11 @@ if fused.HAVE_TRITON:
                         hg = tl.where((grp == gg)[:, None], h, 0.0)
                         if LB.dtype.element_ty == tl.float32:
                             acc = tl.dot(b, tl.trans(hg), acc, input_precision="ieee")
-                        else:  # h as two 16-bit parts (16 of its bits), products on the tensor cores
-                            hi = hg.to(b.dtype)
-                            acc = tl.dot(b, tl.trans(hi), acc)
-                            acc = tl.dot(b, tl.trans((hg - hi.to(tl.float32)).to(b.dtype)), acc)
+                        else:  # h as three 16-bit parts (all 24 of its bits), on the tensor cores
+                            for _ in tl.static_range(3):
+                                part = hg.to(b.dtype)
+                                acc = tl.dot(b, tl.trans(part), acc)
+                                hg -= part.to(tl.float32)
                 y_ptr = Y + r.to(tl.int64)[None, :] * stride_ym + cols[:, None]
                 tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
 

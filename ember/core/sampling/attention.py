@@ -523,7 +523,6 @@ class PrefillAttention:
         self.slot_mapping = slot_mapping
         self.doc_lengths = list(doc_lengths)
         self.prefix_lens = list(prefix_lens) if prefix_lens and any(prefix_lens) else None
-        self.block_tables = block_tables
         if self.prefix_lens is None:
             self.packed = PackedAttention(self.doc_lengths, cache.device)
         else:

@@ -31,6 +31,7 @@ Prints the largest relative errors; exits non-zero if one exceeds its bf16 toler
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import sys
@@ -606,6 +607,54 @@ def _paged_cache(b: int, lens: torch.Tensor, hkv: int, d: int, page: int, gen: t
         used += -(-n // page)
     return kp, vp, table, lens.to(torch.int32).cuda()
 
+
+def check_shared_prefix_decode() -> None:
+    """Cascade decode attention (``prefix``: a group's shared prompt read once for the group, each
+    row's own tokens apart, the partials merged) against the plain kernel and the fp32 reference,
+    bf16, Hq=32 Hkv=8 D=128 (Qwen3-8B), pages of 16 in a 4,096-token table: GRPO-shaped groups
+    (G rows with a P-token prompt, own tails of 1..256 tokens). Prints each kernel's time (CUDA
+    graph) against the bytes it must read: the unique pages (cascade) and every row's (plain)."""
+    from ember.core.sampling.attention import paged_decode_torch, paged_decode_triton, shared_prefix_groups
+
+    hq, hkv, d, page, scale = 32, 8, 128, 16, 128**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    host = torch.Generator().manual_seed(5)
+    token_bytes = hkv * 2 * d * 2
+    for groups, size, plen in ((64, 8, 512), (64, 8, 2048), (4, 16, 2048), (32, 16, 512)):
+        b = groups * size
+        own = torch.randint(1, 257, (b,), generator=host)
+        npages = groups * plen // page + int((-(-own // page)).sum()) + 1
+        kp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        vp = torch.randn(npages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        perm = (torch.randperm(npages - 1, generator=host) + 1).tolist()
+        table = np.zeros((b, 4096 // page), dtype=np.int32)
+        used = 0
+        for g in range(groups):
+            common = perm[used : used + plen // page]
+            used += plen // page
+            for r in range(g * size, (g + 1) * size):
+                mine = perm[used : used + -(-int(own[r]) // page)]
+                used += len(mine)
+                table[r, : len(common) + len(mine)] = common + mine
+        lens = (own + plen).to(torch.int32)
+        pre, members = shared_prefix_groups(table, lens.numpy(), page)
+        prefix = (torch.from_numpy(pre).cuda(), torch.from_numpy(members).cuda())
+        bt, seq = torch.from_numpy(table).cuda(), lens.cuda()
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        rows = min(b, 64)
+        ref = paged_decode_torch(q[:rows].float(), kp.float(), vp.float(), bt[:rows], seq[:rows], scale)
+        plain = paged_decode_triton(q, kp, vp, bt, seq, scale)
+        cascade = paged_decode_triton(q, kp, vp, bt, seq, scale, prefix=prefix)
+        name = f"G={size} x {groups} groups, prompt {plen}"
+        report(f"shared-prefix decode {name}: cascade vs reference", rel(cascade[:rows], ref), 2e-2)
+        report(f"shared-prefix decode {name}: cascade vs plain kernel", rel(cascade, plain), 1e-2)
+        t_plain = _graph_time_us(functools.partial(paged_decode_triton, q, kp, vp, bt, seq, scale))
+        t_cascade = _graph_time_us(functools.partial(paged_decode_triton, q, kp, vp, bt, seq, scale, prefix=prefix))
+        every = int(lens.sum()) * token_bytes
+        unique = (groups * plen + int(own.sum())) * token_bytes
+        print(f"  {name} ({b} rows): plain {t_plain:7.1f} us ({every / t_plain / 1e3:5.0f} GB/s of every row's "
+              f"{every / 1e9:.2f} GB) | cascade {t_cascade:7.1f} us ({unique / t_cascade / 1e3:5.0f} GB/s of the "
+              f"{unique / 1e9:.2f} GB of unique pages) | {t_plain / t_cascade:.2f}x", flush=True)
 
 def check_relative_decode() -> None:
     """Inkling-2's decode attention through the paged kernel (relative bias by distance and sinks:
@@ -1349,6 +1398,7 @@ CHECKS = {
     "paged_decode": lambda: check_paged_decode(),
     "relative_decode": lambda: check_relative_decode(),
     "selected_decode": lambda: check_selected_decode(),
+    "shared_prefix_decode": lambda: check_shared_prefix_decode(),
     "lora_linear": lambda: check_lora_linear(),
     "lora_decode": lambda: check_lora_decode(),
     "kv_write": lambda: check_kv_write(),

@@ -25,6 +25,8 @@ every sequence generates exactly --new tokens):
              once and its pages shared (the prefix cache is emptied before the timed run); its
              floor reads a group's prompt pages once
 * grpo-noshare  the same with prefix sharing off (every request prefills its whole prompt)
+* grpo-nocascade  grpo with ``shared_prefix_attention`` off: the pages are shared, but each decode
+             step reads a group's prompt once per sample, not once per group
 * stall      chunked prefill: workload a's sequences decoding, then one --long-prompt (16384) token
              prompt arrives; the per-step budget is --step-tokens (2048): the long prompt is
              prefilled over several steps while the 64 sequences keep decoding. Reports the
@@ -237,9 +239,9 @@ def run_ember(
 
 
 def run_grpo(model, prompts, samples: int, new: int, rank: int, graphs: bool, static: bool | None,
-             sharing: bool) -> dict:
-    """Workload grpo / grpo-noshare: ``samples`` requests of one sample per prompt, a group's requests
-    one after another in the queue."""
+             sharing: bool, cascade: bool = True) -> dict:
+    """Workload grpo / grpo-noshare / grpo-nocascade: ``samples`` requests of one sample per prompt,
+    a group's requests one after another in the queue."""
     bank = AdapterBank(model, max_adapters=1, max_rank=max(64, rank))
     (slot,) = fill_adapters(bank, 1, rank)
     plen, page = len(prompts[0]), 16
@@ -252,6 +254,7 @@ def run_grpo(model, prompts, samples: int, new: int, rank: int, graphs: bool, st
         cuda_graphs=graphs,
         static_decode=static,
         prefix_sharing=sharing,
+        shared_prefix_attention=cascade,
     )
     engine = SamplingEngine(model, bank, config, max_seq_len=plen + new + page)
     engine.generate([GenerationRequest(prompts[0], 1, [0], slot=slot)])  # the KV cache's layers allocated
@@ -441,7 +444,7 @@ def main() -> None:
     ap.add_argument(
         "--only", default="a,a-32slots,b,b-1,hf,gap",
         help="comma list of workloads (also: a-sync and b-sync, a and b with each decode step read back before "
-        "the next is queued; a-par, grpo, grpo-noshare, stall, stall-whole)",
+        "the next is queued; a-par, grpo, grpo-noshare, grpo-nocascade, stall, stall-whole)",
     )
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                     help="workload a (and gap): the sampler's copy of the base weights (the trainer stays bf16)")
@@ -513,6 +516,9 @@ def main() -> None:
         "grpo": lambda: run_grpo(model, grpo_prompts, args.grpo_samples, args.new, args.rank, graphs, static, True),
         "grpo-noshare": lambda: run_grpo(
             model, grpo_prompts, args.grpo_samples, args.new, args.rank, graphs, static, False
+        ),
+        "grpo-nocascade": lambda: run_grpo(
+            model, grpo_prompts, args.grpo_samples, args.new, args.rank, graphs, static, True, cascade=False
         ),
         "stall": lambda: run_stall(model, prompts, args.long_prompt, args.new, args.step_tokens, args.rank, graphs,
                                    static, True, vocab),
@@ -597,6 +603,7 @@ def main() -> None:
         "mixed_vs_one": ratio("b", "b-1"),
         "32slots_vs_1slot": ratio("a-32slots", "a"),
         "grpo_share_vs_noshare": ratio("grpo", "grpo-noshare"),
+        "grpo_cascade_vs_not": ratio("grpo", "grpo-nocascade"),
     }
     print("\n| workload | tokens/s | decode step (ms) | floor (ms) | step/floor | roofline (ms) | step/roofline "
           "| TTFT (s) | TTFT cold (s) |")
@@ -618,7 +625,8 @@ def main() -> None:
             print(f"| {name} ({r['cache']} cache) | {r['tokens_per_s']:.0f} | | | | | | | |")
     print(
         f"\nEmber a / HF: {summary['a_vs_hf']}   b (8 adapters) / b-1 (one): {summary['mixed_vs_one']}   "
-        f"32 slots / 1 slot: {summary['32slots_vs_1slot']}   grpo shared / unshared: {summary['grpo_share_vs_noshare']}"
+        f"32 slots / 1 slot: {summary['32slots_vs_1slot']}   grpo shared / unshared: {summary['grpo_share_vs_noshare']}   "
+        f"grpo cascade / not: {summary['grpo_cascade_vs_not']}"
     )
     out = {
         "hardware": hardware_line(),

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import sys
@@ -138,14 +139,23 @@ def step_breakdown(model, prompts, new: int, rank: int, adapters: int = 1, bank_
         end.record()
         sync()
         out["graph_replay_ms"] = start.elapsed_time(end) / 20
-    del engine
+        del graph
+    # the timing wrappers hold bound methods of the engine: a cycle, so free its cache by collecting
+    del engine, static
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     # kernels of 8 decode steps (no prefill) without graphs: GPU time per kernel, per step
-    engine = make_engine(model, bank, len(prompts), len(prompts[0]), 16, True, False, **options)
-    short = requests(prompts, 16, slot)
+    # enough new tokens that no sequence ends while later prompts still prefill (chunks of 16,384)
+    short_new = 16 + -(-sum(map(len, prompts)) // 16384)
+    engine = make_engine(model, bank, len(prompts), len(prompts[0]), short_new, True, False, **options)
+    short = requests(prompts, short_new, slot)
     engine.generate(short)  # compile
     for r in short:
         engine.submit(r)
-    engine.step()  # prefill + the first decode step
+    engine.step()
+    while engine.scheduler.waiting or engine.scheduler.prefilling:  # every row decoding
+        engine.step()
     if DEVICE == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -360,6 +370,9 @@ def main() -> None:
                     help="steps: decode GEMM launch choices measured by bench/decode_gemm.py --out")
     ap.add_argument("--group-samples", type=int, default=1,
                     help="steps: requests per prompt, sharing its pages (GRPO's group size)")
+    ap.add_argument("--shared-prefix-attention", type=int, choices=(0, 1),
+                    default=int(SamplerConfig.shared_prefix_attention),
+                    help="steps: SamplerConfig.shared_prefix_attention (a group's shared prompt read once a step)")
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                     help="prefill: the sampler's rollout precision")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -378,7 +391,8 @@ def main() -> None:
             decode_gemm.load_tuned(args.gemm_configs)
         grouped = [p for p in prompts for _ in range(args.group_samples)]  # a group's requests in a row
         r = step_breakdown(model, grouped, args.new, args.rank, args.adapters, args.bank_slots,
-                           dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm))
+                           dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm),
+                           shared_prefix_attention=bool(args.shared_prefix_attention))
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "prefill" in only:

@@ -5,6 +5,7 @@ shares nothing (tokens with fixed seeds, sampled logprobs, stop reasons)."""
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from ember.core.sampling.requests import StopRule
 from ember.engine.worker import Worker
 from tests.lora_helpers import randomise
 from tests.tiny_models import build_hf_model, random_sequences, save_hf_model
+from tests.triton_interp import run_interpreted
 
 VOCAB = 320
 PS = 4
@@ -250,3 +252,39 @@ def test_recurrent_families_prefill_whole_prompts(tmp_path):
     _both(on, off, [[_req(PREFIX + t, max_tokens=4) for t in TAILS[:2]], [_req(PREFIX + TAILS[2], max_tokens=4)]])
     assert on.sampler.stats.prefix_pages_reused == 0
     assert on.sampler.stats.prefill_tokens == off.sampler.stats.prefill_tokens
+
+
+def test_shared_prefix_attention_in_the_engine(tmp_path):
+    """Decode steps of sequences that share a prompt's pages (a request's samples, and another
+    request of the same prompt through the prefix index) attend that prefix once for the group
+    (cascade attention), in the eager decoder and the static one, under Triton's interpreter: the
+    tokens and logprobs of an engine that reads each sequence's prefix on its own."""
+    pytest.importorskip("triton")
+    path = tmp_path / "m"
+    save_hf_model(build_hf_model("qwen3", seed=1), path)
+    script = textwrap.dedent(
+        f"""
+        from tests.triton_interp import LaunchGrids, patch_interpreter
+        patch_interpreter()
+        import numpy as np
+        from ember.core.sampling import attention
+        from tests.tiny_models import random_sequences
+        from tests.unit.test_prefix_sharing import VOCAB, _req, _same, _worker
+
+        # 70 tokens: 17 full pages of 4 (>= the 64 tokens a shared prefix needs)
+        prompt, other = random_sequences(VOCAB, [70, 70], seed=4)
+        reqs = [_req(prompt, seeds=(1, 2, 3), max_tokens=4), _req(prompt, seeds=(4,), max_tokens=4),
+                _req(other, seeds=(5,), max_tokens=4)]
+        launches = LaunchGrids(attention, "_shared_prefix_kernel")
+        for static in (False, True):
+            runs = []
+            for shared in (True, False):
+                before = len(launches.grids)
+                worker = _worker({str(path)!r}, True, shared_prefix_attention=shared, static_decode=static)
+                runs.append(worker.sampler.generate(reqs))
+                assert (len(launches.grids) > before) == shared, (static, shared, len(launches.grids) - before)
+            _same(*runs)
+        print("ok")
+        """
+    )
+    assert "ok" in run_interpreted(script, timeout=600)

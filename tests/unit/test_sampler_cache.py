@@ -114,6 +114,120 @@ def test_paged_decode_triton_kernel_matches_reference():
     assert "ok" in run_interpreted(script, timeout=300)
 
 
+def _shared_case(groups, page=4, hq=8, hkv=2, d=16, dv=16, seed=0, extra_columns=3):
+    """Rows whose block tables begin with shared pages, as the prefix cache and forks leave them:
+    ``groups`` lists ``(shared tokens, [each row's own tokens after them])`` (shared: whole pages);
+    a group's rows hold the same page ids for the shared part. Random keys and values in every page
+    (shuffled); returns the cache, queries, block table, lengths."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(p // page + sum(-(-n // page) for n in own) for p, own in groups)
+    cache = PagedKVCache(num_pages=need + 8, page_size=page, dtype=torch.float32, device="cpu")
+    order = torch.randperm(need + 7, generator=g).tolist()
+    for p in order:  # pages in a random order, so tables are not contiguous
+        cache._free.remove(p + 1)
+        cache._free.append(p + 1)
+    tables, lengths = [], []
+    for shared, own in groups:
+        assert shared % page == 0
+        common = [cache.allocate() for _ in range(shared // page)]
+        for n in own:
+            tables.append(common + [cache.allocate() for _ in range(-(-n // page))])
+            lengths.append(shared + n)
+    cache.write(0, torch.zeros(0, hkv, d), torch.zeros(0, hkv, dv), torch.zeros(0, dtype=torch.long))
+    cache.k[0].copy_(torch.randn(cache.num_pages, page, hkv, d, generator=g))
+    cache.v[0].copy_(torch.randn(cache.num_pages, page, hkv, dv, generator=g))
+    width = max(len(t) for t in tables) + extra_columns
+    bt = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = torch.randn(len(tables), hq, d, generator=g)
+    return cache, q, bt, torch.tensor(lengths, dtype=torch.int32)
+
+
+def test_shared_prefix_decode_kernel_matches_reference():
+    """Cascade attention (each group's shared prefix read once by the prefix kernel, each row's
+    own tokens by the split kernel, the partials merged) gives the reference's attention, under
+    Triton's interpreter: groups of 2 to 20 rows (a group wider than PREFIX_GROUP split over
+    lines), prefixes of one to several 64-token blocks and over several splits, rows that do not
+    share, a padding row, GQA 4 and 1 (MHA), one and several splits of the rows' own tokens."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        import torch
+        from tests.triton_interp import patch_interpreter
+        patch_interpreter()
+
+        from ember.core.sampling import attention
+        from ember.core.sampling.attention import paged_decode_torch, paged_decode_triton, shared_prefix_groups
+        from tests.triton_interp import LaunchGrids
+        from tests.unit.test_sampler_cache import _shared_case
+
+        def check(groups, splits, page=4, min_tokens=8, **kw):
+            cache, q, bt, lens = _shared_case(groups, page=page, **kw)
+            lens = torch.cat([lens, torch.zeros(1, dtype=torch.int32)])  # a padding row
+            bt = torch.cat([bt, torch.zeros(1, bt.shape[1], dtype=torch.int32)])
+            q = torch.cat([q, torch.randn(1, *q.shape[1:])])
+            pre, members = shared_prefix_groups(bt.numpy(), lens.numpy(), page, min_tokens)
+            assert members.shape[0] > 0 and pre.any()
+            prefix = (torch.from_numpy(pre), torch.from_numpy(members))
+            ref = paged_decode_torch(q, cache.k[0], cache.v[0], bt, lens, 0.3)
+            for ns in splits:
+                launches = LaunchGrids(attention, "_shared_prefix_kernel")
+                got = paged_decode_triton(q, cache.k[0], cache.v[0], bt, lens, 0.3, num_splits=ns, prefix=prefix)
+                launches.restore()
+                assert len(launches.grids) == 1, launches.grids
+                err = (got - ref).abs().max().item()
+                assert err < 1e-5, (groups, ns, kw, err)
+                assert got[-1].abs().max().item() == 0.0
+
+        # GRPO-shaped: groups of rows with a long common prompt and short own tails; prefixes of
+        # 1, 3 and 9 blocks (the last over several prefix splits); rows that share nothing
+        check([(64, [1, 5, 9]), (192, [2, 3]), (576, [7, 1, 30, 4]), (0, [13]), (0, [70])], (None, 1, 2))
+        # a group wider than PREFIX_GROUP (20 rows: two lines); GQA 1 (MHA) with two KV heads
+        check([(128, list(range(1, 21))), (32, [3, 3])], (None,), hq=2, hkv=2)
+        # page 16, GQA 4, prefix not a multiple of 64 tokens, own tokens over several blocks
+        check([(80, [100, 1, 17]), (16, [2, 40])], (None, 3), page=16, hq=4, hkv=1, min_tokens=16)
+        print("ok")
+        """
+    )
+    assert "ok" in run_interpreted(script, timeout=300)
+
+
+def test_shared_prefix_groups():
+    """Rows group by the deepest page they share with another row: a prompt prefix common to all
+    (a system prompt) does not hide the longer prefixes of the groups under it; a row alone at its
+    depth, a share shorter than the minimum, padding rows and the page a step writes take no part;
+    a group wider than PREFIX_GROUP takes several lines."""
+    from ember.core.sampling.attention import PREFIX_GROUP, shared_prefix_groups
+
+    page = 4
+    # rows 0-2 share 8 pages; rows 3-4 share 3; all five share the first 2; row 5 shares only those 2
+    sys_, a, b = [11, 12], [13, 14, 15, 16, 17, 18], [23]
+    tables = [sys_ + a + [30 + i] for i in range(3)] + [sys_ + b + [40 + i] for i in range(2)] + [sys_ + [50, 51]]
+    tables += [[60 + i, 70 + i] for i in range(2)]  # no sharing
+    tables += [[90, 91, 92, 93, 94, 100 + i] for i in range(20)]  # 20 rows share 5 pages
+    tables += [[0]]  # padding
+    W = max(map(len, tables))
+    table = np.array([t + [0] * (W - len(t)) for t in tables])
+    lens = np.array([8 * page + 2] * 3 + [3 * page + 1] * 2 + [3 * page] + [2 * page] * 2 + [5 * page + 4] * 20 + [0])
+    pre, members = shared_prefix_groups(table, lens, page, min_tokens=2 * page)
+    assert pre[:3].tolist() == [8 * page] * 3 and pre[3:5].tolist() == [3 * page] * 2
+    assert pre[5] == 0  # shares 2 pages, but no other row's deepest shared page is its own
+    assert pre[6:8].tolist() == [0, 0] and pre[-1] == 0
+    assert pre[8:28].tolist() == [5 * page] * 20
+    lines = sorted(tuple(int(x) for x in m if x >= 0) for m in members)
+    assert lines == sorted([(0, 1, 2), (3, 4), tuple(range(8, 8 + PREFIX_GROUP)), tuple(range(8 + PREFIX_GROUP, 28))])
+    # the page a row writes (its last, partly filled) is never counted: rows 3-4 at exactly 3 pages
+    lens2 = lens.copy()
+    lens2[3:5] = 3 * page  # the new token at position 3 * page - 1: in the third page
+    pre2, _ = shared_prefix_groups(table, lens2, page, min_tokens=2 * page)
+    assert pre2[3:5].tolist() == [2 * page] * 2 and pre2[5] == 2 * page  # now the system prompt's group
+    # a minimum above every share: no group
+    pre3, members3 = shared_prefix_groups(table, lens, page, min_tokens=64 * page)
+    assert not pre3.any() and members3.shape == (0, PREFIX_GROUP)
+
+
 def test_pages_are_shared_by_forks_and_released():
     cache = PagedKVCache(num_pages=6, page_size=4, dtype=torch.float32, device="cpu")
     pages = [cache.allocate() for _ in range(2)]  # 6 tokens: one full page, one partial

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -45,13 +46,14 @@ if fused.HAVE_TRITON:
     from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _decode_split_range(n, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-        """The visible tokens ``[start, n)`` of a sequence, the BLOCK_N-aligned blocks covering them
+    def _decode_split_range(n, window, lo, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """The visible tokens ``[start, n)`` of a sequence (those at ``lo`` and after: a shared
+        prefix before ``lo`` is attended apart), the BLOCK_N-aligned blocks covering them
         (``first``, ``nblk``), and how they are dealt to splits: ``per`` (>= 2 unless the sequence is
-        shorter) consecutive blocks each, to ``active`` (>= 1) splits. Both kernels derive
-        the same split layout from ``seq_lens``, so a short sequence of a long table is not split
-        thinner than is worth merging."""
-        start = tl.maximum(n - window, 0)  # window = 2**30 when the layer has none
+        shorter) consecutive blocks each, to ``active`` (>= 1) splits. The kernels derive the same
+        split layout from ``seq_lens``, so a short sequence of a long table is not split thinner
+        than is worth merging."""
+        start = tl.maximum(tl.maximum(n - window, 0), lo)  # window = 2**30 when the layer has none
         first = start // BLOCK_N
         nblk = (n + BLOCK_N - 1) // BLOCK_N - first  # 0 when n == 0
         active = tl.maximum(tl.minimum(nblk // 2, NUM_SPLITS), 1)  # >= 2 blocks a split
@@ -78,6 +80,7 @@ if fused.HAVE_TRITON:
         P,
         SINK,
         SEL,
+        PRE,
         qk_scale,
         window,
         rel_extent,
@@ -107,10 +110,12 @@ if fused.HAVE_TRITON:
         PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        SLOTS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr,
         HAS_SELECT: tl.constexpr,
+        HAS_PREFIX: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's visible
@@ -127,7 +132,10 @@ if fused.HAVE_TRITON:
         ``HAS_SELECT`` (a QSA block selection): only the keys of the ``sel_block``-token blocks listed
         in ``SEL[b]`` (``[B, C]`` block numbers, ``-1``: none) and those after the query's last
         complete block are visible, and only those are read: the program walks ``sel_span = (C + 1)
-        · sel_block`` virtual tokens, the listed blocks' then the tail's, instead of the sequence."""
+        · sel_block`` virtual tokens, the listed blocks' then the tail's, instead of the sequence.
+        ``HAS_PREFIX``: the first ``PRE[b]`` tokens are a prefix shared with other rows, which
+        :func:`_shared_prefix_kernel` attends for all of them at once; this program walks the rest
+        and leaves a partial (``SLOTS`` per row and head: the splits', then the prefix's)."""
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
@@ -136,7 +144,10 @@ if fused.HAVE_TRITON:
         split = tl.program_id(2)
         n = tl.load(LENS + b)
         extent = _decode_extent(n, sel_span)
-        start, first, nblk, per, active = _decode_split_range(extent, window, BLOCK_N, NUM_SPLITS)
+        pre = 0
+        if HAS_PREFIX:
+            pre = tl.load(PRE + b)
+        start, first, nblk, per, active = _decode_split_range(extent, window, pre, BLOCK_N, NUM_SPLITS)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D_PAD)
         dv = tl.arange(0, DV_PAD)
@@ -193,14 +204,17 @@ if fused.HAVE_TRITON:
             out = acc * tl.exp2(m - m_f)[:, None] / (lsum * tl.exp2(m - m_f) + tl.exp2(sink - m_f))[:, None]
         else:
             out = acc / tl.maximum(lsum, 1e-30)[:, None]  # length 0: acc = 0 -> zeros
-        if NUM_SPLITS == 1:
+        if NUM_SPLITS == 1 and not HAS_PREFIX:
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=rmask[:, None] & dvmask[None, :])
         else:
+            merged = active > 1  # several partials: the combine kernel finishes the row
+            if HAS_PREFIX:
+                merged = merged | (pre > 0)
             # scalar conditions become row limits (Triton's interpreter cannot AND a tensor and a scalar)
-            done = tl.where(active == 1, tl.where(split == 0, REP, 0), 0)  # finished by this program
+            done = tl.where(merged, 0, tl.where(split == 0, REP, 0))  # finished by this program
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=(r < done)[:, None] & dvmask[None, :])
-            part = r < tl.where(active > 1, tl.where(split < active, REP, 0), 0)  # a partial to merge
-            row = (b * (REP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split  # [B, Hq, S]
+            part = r < tl.where(merged, tl.where(split < active, REP, 0), 0)  # a partial to merge
+            row = (b * (REP * tl.num_programs(1)) + heads).to(tl.int64) * SLOTS + split  # [B, Hq, SLOTS]
             tl.store(ACC + row[:, None] * DV + dv[None, :], acc, mask=part[:, None] & dvmask[None, :])
             tl.store(ML + row * 2, m, mask=part)
             tl.store(ML + row * 2 + 1, lsum, mask=part)
@@ -212,6 +226,7 @@ if fused.HAVE_TRITON:
         ML,
         LENS,
         SINK,
+        PRE,
         window,
         sel_span,
         stride_ob,
@@ -221,24 +236,36 @@ if fused.HAVE_TRITON:
         DV_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
-        SPLITS_PAD: tl.constexpr,
+        PRE_SPLITS: tl.constexpr,
+        SLOTS: tl.constexpr,
+        SLOTS_PAD: tl.constexpr,
         HAS_SINK: tl.constexpr,
+        HAS_PREFIX: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
         """One program per (sequence, query head): merges the partial softmaxes of the sequence's
-        splits, and the sink's logit with ``HAS_SINK`` (sequences finished by a single split are
-        left alone)."""
+        splits and (``HAS_PREFIX``) of its shared prefix's splits, and the sink's logit with
+        ``HAS_SINK`` (sequences finished by a single split are left alone)."""
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(LENS + b)
-        _, _, _, _, active = _decode_split_range(_decode_extent(n, sel_span), window, BLOCK_N, NUM_SPLITS)
-        if active > 1:
-            s = tl.arange(0, SPLITS_PAD)
-            smask = s < active
-            row0 = (b * tl.num_programs(1) + h).to(tl.int64) * NUM_SPLITS
+        pre = 0
+        if HAS_PREFIX:
+            pre = tl.load(PRE + b)
+        _, _, _, _, active = _decode_split_range(_decode_extent(n, sel_span), window, pre, BLOCK_N, NUM_SPLITS)
+        shared = 0  # the prefix's partials, in slots NUM_SPLITS .. NUM_SPLITS + shared - 1
+        merged = active > 1
+        if HAS_PREFIX:
+            _, _, _, _, shared = _decode_split_range(pre, 1 << 30, 0, BLOCK_N, PRE_SPLITS)
+            shared = tl.where(pre > 0, shared, 0)
+            merged = merged | (pre > 0)
+        if merged:
+            s = tl.arange(0, SLOTS_PAD)
+            smask = (s < active) | ((s >= NUM_SPLITS) & (s < NUM_SPLITS + shared))
+            row0 = (b * tl.num_programs(1) + h).to(tl.int64) * SLOTS
             ms = tl.load(ML + (row0 + s) * 2, mask=smask, other=-1e30)
             ls = tl.load(ML + (row0 + s) * 2 + 1, mask=smask, other=0.0)
             m_all = tl.max(ms, axis=0)
@@ -255,8 +282,115 @@ if fused.HAVE_TRITON:
             for i in range(active):
                 wi = tl.exp2(tl.load(ML + (row0 + i) * 2) - m_all)
                 acc += wi * tl.load(ACC + (row0 + i) * DV + dv, mask=dvmask, other=0.0)
+            for i in range(NUM_SPLITS, NUM_SPLITS + shared):
+                wi = tl.exp2(tl.load(ML + (row0 + i) * 2) - m_all)
+                acc += wi * tl.load(ACC + (row0 + i) * DV + dv, mask=dvmask, other=0.0)
             out = acc / tl.maximum(total, 1e-30)
             tl.store(O + b * stride_ob + h * stride_oh + dv, out.to(O.dtype.element_ty), mask=dvmask)
+
+
+    @triton.jit
+    def _shared_prefix_kernel(
+        Q,
+        K,
+        V,
+        ACC,
+        ML,
+        BT,
+        PRE,
+        MEM,
+        qk_scale,
+        stride_qb,
+        stride_qh,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_vp,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        stride_mem,
+        REP: tl.constexpr,
+        REP_P: tl.constexpr,
+        MB: tl.constexpr,
+        GROUP: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PRE_SPLITS: tl.constexpr,
+        SLOTS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        """Cascade attention's first level: one program per (MB members of a prefix group, KV head,
+        split) attends the queries of those rows (``MB * REP`` query heads in one ``tl.dot``) over
+        the prefix they share, so its keys and values are read once for the group, not once a row.
+
+        ``MEM[g]`` lists a group's rows (``GROUP`` columns, ``-1`` after the last); they share the
+        first ``PRE[row]`` tokens, whose pages the first row's block table gives. Each row and head
+        gets a partial softmax in slot ``NUM_SPLITS + split`` of ``SLOTS``; the split kernel leaves
+        those of the tokens after the prefix, and the combine kernel merges them."""
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        g = pid // (GROUP // MB)
+        chunk = pid % (GROUP // MB)
+        hk = tl.program_id(1)
+        split = tl.program_id(2)
+        mem_base = MEM + g.to(tl.int64) * stride_mem
+        leader = tl.load(mem_base)
+        # an empty chunk (or group) walks nothing: members fill a group's columns from the first
+        n = tl.where(tl.load(mem_base + chunk * MB) >= 0, tl.load(PRE + tl.maximum(leader, 0)), 0)
+        _, first, nblk, per, active = _decode_split_range(n, 1 << 30, 0, BLOCK_N, PRE_SPLITS)
+        i = tl.arange(0, MB * REP_P)
+        r = i % REP_P
+        row = tl.load(mem_base + chunk * MB + i // REP_P)
+        live = (row >= 0) & (r < REP)
+        row = tl.maximum(row, 0).to(tl.int64)
+        d = tl.arange(0, D_PAD)
+        dv = tl.arange(0, DV_PAD)
+        tok = tl.arange(0, BLOCK_N)
+        dmask = d < D
+        dvmask = dv < DV
+        heads = hk * REP + r
+        q_ptr = Q + row[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr, mask=live[:, None] & dmask[None, :], other=0.0).to(K.dtype.element_ty)
+        k_base = K + hk * stride_kh
+        v_base = V + hk * stride_vh
+        bt_base = BT + tl.maximum(leader, 0).to(tl.int64) * stride_bt
+        m = tl.full([MB * REP_P], -1e30, tl.float32)
+        lsum = tl.zeros([MB * REP_P], tl.float32)
+        acc = tl.zeros([MB * REP_P, DV_PAD], tl.float32)
+        blk0 = first + split * per
+        blk1 = tl.minimum(blk0 + per, first + nblk)  # empty for splits past ``active``
+        for blk in range(blk0, blk1):
+            pos = blk * BLOCK_N + tok
+            valid = pos < n
+            page = tl.load(bt_base + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            slot = (pos % PAGE).to(tl.int64)
+            k_row = page * stride_kp + slot * stride_ks
+            v_row = page * stride_vp + slot * stride_vs
+            k = tl.load(k_base + k_row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [MB * REP_P, BLOCK_N]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp2(m - m_new)
+            prob = tl.exp2(scores - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(prob, axis=1)
+            v = tl.load(v_base + v_row[:, None] + dv[None, :], mask=valid[:, None] & dvmask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        # scalar conditions become row limits (Triton's interpreter cannot AND a tensor and a scalar)
+        keep = live & (i < tl.where((n > 0) & (split < active), MB * REP_P, 0))
+        out_row = (row * (REP * tl.num_programs(1)) + heads) * SLOTS + NUM_SPLITS + split  # [B, Hq, SLOTS]
+        tl.store(ACC + out_row[:, None] * DV + dv[None, :], acc, mask=keep[:, None] & dvmask[None, :])
+        tl.store(ML + out_row * 2, m, mask=keep)
+        tl.store(ML + out_row * 2 + 1, lsum, mask=keep)
 
 
 def _pow2(n: int) -> int:
@@ -266,6 +400,8 @@ def _pow2(n: int) -> int:
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}  # of the split kernel
+PREFIX_GROUP = 16  # rows a prefix group lists (a larger group is listed as several)
+PREFIX_MIN_TOKENS = 64  # a shorter shared prefix is attended by each row (one BLOCK_N)
 
 
 @functools.cache
@@ -307,6 +443,7 @@ def paged_decode_triton(
     sinks: torch.Tensor | None = None,
     selected: torch.Tensor | None = None,
     select_block: int = 1,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton decode attention: ``q`` ``[B, Hq, D]`` against each sequence's ``seq_lens[b]`` cached
     tokens (``block_table`` ``[B, W]`` int32) -> ``[B, Hq, Dv]``; rows with length 0 give zeros.
@@ -315,6 +452,10 @@ def paged_decode_triton(
     without a value. ``selected`` ``[B, C]`` (QSA: block numbers of ``select_block`` tokens,
     ``-1``: none; distinct, complete blocks): only the keys of those blocks and those after the
     query's last complete block are visible, and only they are read (``C + 1`` blocks a row).
+    ``prefix`` (cascade attention; no window, bias, sink or selection): ``(lens [B], members [G,
+    PREFIX_GROUP])`` from :func:`shared_prefix_groups`: the rows of a group share their first
+    ``lens[row]`` tokens, which are read once for the group, and each row reads only the rest;
+    the result is the same attention.
 
     Flash-decoding: the visible tokens of a sequence are dealt to up to ``num_splits`` programs
     per KV head (by default chosen from the shapes: batch, heads, block-table width) and a second
@@ -335,9 +476,15 @@ def paged_decode_triton(
         longest = sel_span or block_table.shape[1] * page
         num_splits = _decode_num_splits(B, Hkv, longest, block_n, q.device)
     num_splits = max(1, int(num_splits))
-    if num_splits > 1:
-        acc = torch.empty(B, Hq, num_splits, Dv, dtype=torch.float32, device=q.device)
-        ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    pre_splits = 0
+    if prefix is not None:
+        if window or profiles is not None or sinks is not None or selected is not None:
+            raise ValueError("a shared prefix is attended apart only without a window, bias, sink or selection")
+        pre_splits = _decode_num_splits(max(1, B // PREFIX_GROUP), Hkv, block_table.shape[1] * page, block_n, q.device)
+    slots = num_splits + pre_splits
+    if slots > 1:
+        acc = torch.empty(B, Hq, slots, Dv, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B, Hq, slots, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # not touched
     window = int(window or 1 << 30)
@@ -348,6 +495,23 @@ def paged_decode_triton(
     P = profiles if profiles is not None else out  # not read without the flags
     S = sinks if sinks is not None else out
     C = selected if selected is not None else out
+    pre, members = prefix if prefix is not None else (out, out)
+    launch = {"D": D, "D_PAD": d_pad, "DV": Dv, "DV_PAD": dv_pad, "PAGE": page, "BLOCK_N": block_n,
+              "NUM_SPLITS": num_splits, "SLOTS": slots,
+              "DOT_PRECISION": "ieee" if k_pages.dtype == torch.float32 else "tf32"}
+    if prefix is not None and members.shape[0]:
+        rep_p = _pow2(rep)
+        mb = min(PREFIX_GROUP, max(1, 64 // rep_p))  # rows of the group a program takes: 64 query heads
+        _shared_prefix_kernel[(members.shape[0] * (PREFIX_GROUP // mb), Hkv, pre_splits)](
+            q, k_pages, v_pages, acc, ml, block_table, pre, members,
+            float(scale) * _LOG2E,
+            q.stride(0), q.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+            block_table.stride(0), members.stride(0),
+            REP=rep, REP_P=rep_p, MB=mb, GROUP=PREFIX_GROUP, PRE_SPLITS=pre_splits,
+            **launch, **_DECODE_LAUNCH, **pdl.options(),
+        )
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
         k_pages,
@@ -360,6 +524,7 @@ def paged_decode_triton(
         P,
         S,
         C,
+        pre,
         float(scale) * _LOG2E,
         window,
         P.shape[-1] if profiles is not None else 0,
@@ -382,27 +547,22 @@ def paged_decode_triton(
         C.stride(0),
         REP=rep,
         REP_PAD=max(16, _pow2(rep)),
-        D=D,
-        D_PAD=d_pad,
-        DV=Dv,
-        DV_PAD=dv_pad,
-        PAGE=page,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if k_pages.dtype == torch.float32 else "tf32",
         HAS_BIAS=profiles is not None,
         HAS_SINK=sinks is not None,
         HAS_SELECT=selected is not None,
+        HAS_PREFIX=prefix is not None,
+        **launch,
         **_DECODE_LAUNCH,
         **pdl.options(),
     )
-    if num_splits > 1:
+    if slots > 1:
         _paged_decode_combine[(B, Hq)](
             out,
             acc,
             ml,
             seq_lens,
             S,
+            pre,
             window,
             sel_span,
             out.stride(0),
@@ -412,8 +572,11 @@ def paged_decode_triton(
             DV_PAD=dv_pad,
             BLOCK_N=block_n,
             NUM_SPLITS=num_splits,
-            SPLITS_PAD=_pow2(num_splits),
+            PRE_SPLITS=max(pre_splits, 1),
+            SLOTS=slots,
+            SLOTS_PAD=_pow2(slots),
             HAS_SINK=sinks is not None,
+            HAS_PREFIX=prefix is not None,
             num_warps=4,
             **pdl.options(),
         )
@@ -459,9 +622,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache: the Triton kernel where it runs, else the reference."""
-    out = _decode_triton_or_none(q, k_pages, v_pages, block_table, seq_lens, scale, window)
+    """Decode attention over the paged cache: the Triton kernel where it runs (reading each
+    ``prefix`` group's shared tokens once), else the reference."""
+    out = _decode_triton_or_none(q, k_pages, v_pages, block_table, seq_lens, scale, window, prefix=prefix)
     return out if out is not None else paged_decode_torch(q, k_pages, v_pages, block_table, seq_lens, scale, window)
 
 
@@ -485,6 +650,48 @@ def _decode_triton_or_none(q: torch.Tensor, k_pages: torch.Tensor, *args, **kwar
 
 def _window(spec: AttentionSpec) -> int:
     return int(spec.window) if spec.kind == "sliding" and spec.window else 0
+
+
+def shared_prefix_groups(table: np.ndarray, lens: np.ndarray, page: int, min_tokens: int = PREFIX_MIN_TOKENS
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """The prefix groups of a decode step (cascade attention, :func:`paged_decode_triton`'s
+    ``prefix``): rows whose block tables (``[B, W]``; ``lens`` ``[B]`` tokens, the new one
+    included) begin with the same pages share those tokens, since a page is shared only through
+    the prefix cache or a fork, which share every page before it too.
+
+    Each row's shared prefix is its leading pages that another row's table also holds (the
+    deepest node of the prefix tree it shares; never the page the step writes), and the rows
+    whose deepest shared page is the same form a group. Returns each row's shared tokens
+    (``int32 [B]``; 0 alone or below ``min_tokens``) and the groups' rows (``int32 [G,
+    PREFIX_GROUP]``, ``-1`` after the last; a larger group takes several lines)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    shared = np.zeros(len(lens), dtype=np.int32)
+    full = np.maximum(lens - 1, 0) // page  # pages before the one the new token goes to
+    width = min(int(full.max(initial=0)), table.shape[1])
+    if width * page < min_tokens:
+        return shared, np.zeros((0, PREFIX_GROUP), dtype=np.int32)
+    cols = np.arange(width)
+    pages = np.where(cols < full[:, None], table[:, :width], SCRATCH_PAGE).astype(np.int64)
+    held = np.bincount(pages.ravel())[pages] >= 2
+    held &= pages != SCRATCH_PAGE
+    depth = np.cumprod(held, axis=1).sum(axis=1)  # leading pages some other row holds too
+    rows = np.flatnonzero(depth * page >= min_tokens)
+    deepest = pages[rows, depth[rows] - 1]
+    order = np.argsort(deepest, kind="stable")
+    rows, deepest = rows[order], deepest[order]
+    starts = np.flatnonzero(np.r_[True, deepest[1:] != deepest[:-1]])
+    lines = []
+    for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
+        if b - a < 2:
+            continue  # no other row shares this row's deepest page
+        group = rows[a:b]
+        shared[group] = depth[group] * page
+        for c in range(0, len(group), PREFIX_GROUP):
+            line = np.full(PREFIX_GROUP, -1, dtype=np.int32)
+            line[: len(group[c : c + PREFIX_GROUP])] = group[c : c + PREFIX_GROUP]
+            lines.append(line)
+    members = np.stack(lines) if lines else np.zeros((0, PREFIX_GROUP), dtype=np.int32)
+    return shared, members
 
 
 class PrefillAttention:
@@ -725,6 +932,9 @@ class DecodeAttention:
 
     ``fixed_selection`` (the static decoder): the QSA indexer reads the index keys as one table
     (:meth:`index_key_table`) and selects for all rows at once, with no host data.
+
+    ``prefix`` (:func:`shared_prefix_groups` on the device): plain attention without a window
+    reads each group's shared prefix once for the group (cascade attention, Triton only).
     """
 
     accepts_selection = True
@@ -736,20 +946,24 @@ class DecodeAttention:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         fixed_selection: bool = False,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         self.cache = cache
         self.slot_mapping = slot_mapping
         self.block_table = block_table
         self.seq_lens = seq_lens
         self.fixed_selection = fixed_selection
+        self.prefix = prefix
 
     def __call__(
         self, layer: int, q, k, v, spec: AttentionSpec, scale: float, selection: BlockSelection | None = None
     ) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
         if selection is None:
+            window = _window(spec)
             return paged_decode_attention(
-                q, self.cache.k[layer], self.cache.v[layer], self.block_table, self.seq_lens, scale, _window(spec)
+                q, self.cache.k[layer], self.cache.v[layer], self.block_table, self.seq_lens, scale, window,
+                prefix=None if window else self.prefix,
             )
         if _window(spec):
             raise NotImplementedError("a QSA block selection on a sliding-window layer")

@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from ember.core.adapters import AdapterBank, AdapterView
+from ember.core.kernels import fused
 from ember.core.layers.lora import LoraRoute, TokenGroup
 from ember.core.layers.rope import RotaryEmbedding
 from ember.core.models.base import CausalLM, ForwardContext, RoutingRecord
-from ember.core.sampling.attention import DecodeAttention
+from ember.core.sampling.attention import DecodeAttention, shared_prefix_groups
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import head_logits
 
@@ -98,12 +99,20 @@ class DecodeContext(ForwardContext):
         return self.memo(("rope", *key), gathered)
 
 
+def block_table_array(tables: list[list[int]], width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``[B, width]`` int32 block table, padded with the scratch page 0 (into ``out`` if given)."""
+    if out is None:
+        out = np.zeros((len(tables), width), dtype=np.int32)
+    else:
+        out[:] = 0
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
 def block_table_tensor(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
     """``[B, width]`` int32 block table, padded with the scratch page 0."""
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out.to(device)
+    return torch.from_numpy(block_table_array(tables, width)).to(device)
 
 
 class EagerDecoder:
@@ -115,6 +124,9 @@ class EagerDecoder:
     static decoder, which keeps the factors in its own stacks and leaves this one only the steps
     that record MoE routing, the cast is made at the first step that needs it (``create=False`` at
     admission): the adapters that never decode here are not held twice.
+
+    ``shared_prefix``: rows that share a prefix's pages attend it together
+    (:func:`~ember.core.sampling.attention.shared_prefix_groups`; the Triton kernel only).
     """
 
     def __init__(
@@ -124,8 +136,10 @@ class EagerDecoder:
         cache: PagedKVCache,
         states: RecurrentStateStore,
         max_positions: int,
+        shared_prefix: bool = True,
     ):
         self.model = model
+        self.shared_prefix = shared_prefix
         self.bank = bank
         self.cache = cache
         self.states = states
@@ -163,12 +177,18 @@ class EagerDecoder:
         the engine samples from the logits)."""
         device = self.cache.device
         positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
-        width = max(len(t) for t in batch.block_tables)
+        table = block_table_array(batch.block_tables, max(len(t) for t in batch.block_tables))
+        prefix = None
+        if self.shared_prefix and fused.use_triton(positions):
+            pre, members = shared_prefix_groups(table, np.asarray(batch.positions) + 1, self.cache.page_size)
+            if len(members):
+                prefix = (torch.from_numpy(pre).to(device), torch.from_numpy(members).to(device))
         attend = DecodeAttention(
             self.cache,
             torch.tensor(batch.slot_mapping, dtype=torch.long, device=device),
-            block_table_tensor(batch.block_tables, width, device),
+            torch.from_numpy(table).to(device),
             (positions + 1).to(torch.int32),
+            prefix=prefix,
         )
         lora = self._route(batch)
         routing = RoutingRecord(record={}) if batch.record_routing else None

@@ -115,6 +115,11 @@ class SamplerConfig:
       or target prompt logprobs, prompt alternatives, routing records) compute their whole prompt.
       Pages kept for later prompts are reclaimed, least recently used first, when an allocation
       finds no free page.
+    * ``shared_prefix_attention``: where running sequences share a prompt prefix's pages (prefix
+      sharing, or the samples of one request), decode attention reads that prefix once for all of
+      them (cascade attention: the Triton kernel, on CUDA) instead of once a sequence; the rest of
+      each sequence is read as before and the two partial softmaxes merged. The same attention,
+      summed in another order.
     * ``overlap_decode``: with the static decoder, queue each decode step before reading the
       previous one back, its rows' input tokens taken from the previous draws on the device, so
       the host's share of a step runs while the GPU decodes (:meth:`SamplingEngine._decode`; rows
@@ -142,6 +147,7 @@ class SamplerConfig:
     buckets: tuple[int, ...] | None = None
     rollout_precision: str = "bf16"
     prefix_sharing: bool = True
+    shared_prefix_attention: bool = True
     overlap_decode: bool = True
     dependent_launch: bool = True
     decode_gemm: bool = False
@@ -231,7 +237,8 @@ class SamplingEngine:
             config.max_prefill_tokens,
             chunked=config.chunked_prefill and model.chunked_prefill,
         )
-        self.eager = EagerDecoder(model, bank, self.cache, self.states, self.max_seq_len)
+        self.eager = EagerDecoder(model, bank, self.cache, self.states, self.max_seq_len,
+                                  shared_prefix=config.shared_prefix_attention)
         # the sampler's quantised copy of the base weights (bf16: none; removes an earlier one)
         self.rollout_bytes = rollout_precision.attach(model, config.rollout_precision)
         static = config.static_decode
@@ -248,6 +255,7 @@ class SamplingEngine:
             self.static = StaticDecoder(
                 model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states,
                 dependent_launch=config.dependent_launch, decode_gemm=config.decode_gemm,
+                shared_prefix=config.shared_prefix_attention,
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None

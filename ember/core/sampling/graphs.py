@@ -13,7 +13,10 @@ every pointer fixed, so this decoder
   GEMM. One graph thus serves any mix of adapters, and a configured-but-unused slot is an empty
   group: no work;
 * with ``dependent_launch``, on Hopper, launches the step's small Triton kernels with programmatic
-  dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`).
+  dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`);
+* with ``shared_prefix``, attends a prefix that several rows share once for them (cascade attention,
+  :func:`~ember.core.sampling.attention.shared_prefix_groups`): the groups are static buffers too,
+  and a step with groups replays its own graph (a step without any launches no prefix kernels).
 
 Routed experts keep their grouped products (routing, sort and group ends stay on the device, so
 they capture too); their LoRA factors are stacked per expert group (one per slot with expert LoRA,
@@ -48,6 +51,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -61,8 +65,8 @@ from ember.core.layers.ngram_memory import NGramEmbedding
 from ember.core.layers.qsa import QSAIndexer
 from ember.core.logprobs import chunk_logits
 from ember.core.models.base import CausalLM
-from ember.core.sampling.attention import DecodeAttention
-from ember.core.sampling.decode import DecodeBatch, DecodeContext
+from ember.core.sampling.attention import PREFIX_GROUP, DecodeAttention, shared_prefix_groups
+from ember.core.sampling.decode import DecodeBatch, DecodeContext, block_table_array
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
 from ember.core.sampling.static_route import LoraStacks, PackedLinears, StaticRoute, shared_input_groups
@@ -83,6 +87,7 @@ class _Buffers:
 
     longs: torch.Tensor  # int64 [4, bucket]: input_ids, positions, slot_mapping, state rows
     small: torch.Tensor  # int32 [bucket + groups + 1]: seq_lens, offsets, n_rows
+    prefix: torch.Tensor  # int32 [bucket + lines * PREFIX_GROUP]: shared prefix tokens, group rows
     floats: torch.Tensor  # fp64 [2, bucket]: inverse temperature (0: greedy), uniform number
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -92,7 +97,19 @@ class _Buffers:
     seq_lens: torch.Tensor
     offsets: torch.Tensor
     n_rows: torch.Tensor  # real (unpadded) rows, int32 [1]
+    prefix_lens: torch.Tensor  # each row's shared prefix tokens (0: none)
+    prefix_members: torch.Tensor  # [bucket // 2, PREFIX_GROUP] the prefix groups' rows, -1 after the last
     ngram_rows: dict[int, torch.Tensor]  # layer -> its n-gram memory rows [bucket, width], fetched before the step
+
+
+class _Kind(NamedTuple):
+    """What a step's graph depends on beyond its bucket."""
+
+    use_lora: bool
+    head: int = 0  # the stability record's head width (0: none)
+    span: int = 0  # past QSA's dense threshold: the keys its selection reads
+    adapters: int | None = None  # the LoRA kernels' sizing (StaticDecoder._adapters)
+    prefix: bool = False  # some rows share a prefix (cascade attention)
 
 
 class StaticDecoder:
@@ -109,8 +126,10 @@ class StaticDecoder:
         states: RecurrentStateStore | None = None,
         dependent_launch: bool = False,
         decode_gemm: bool = False,
+        shared_prefix: bool = True,
     ):
         self.model = model
+        self.shared_prefix = shared_prefix and fused.use_triton(torch.empty(0, device=cache.device))
         self.cache = cache
         self.states = states if states is not None else RecurrentStateStore()
         self.max_positions = max_positions
@@ -181,6 +200,8 @@ class StaticDecoder:
             small = torch.zeros(bucket + self.stacks.groups + 1, dtype=torch.int32, device=d)
             floats = torch.zeros(2, bucket, dtype=torch.float64, device=d)
             floats[1] = 0.5
+            lines = max(bucket // 2, 1)  # a group has two rows or more
+            prefix = torch.zeros(bucket + lines * PREFIX_GROUP, dtype=torch.int32, device=d)
             ngram_rows = {}
             for m in self.ngrams:
                 table = m.ngram_embedding.weight
@@ -189,6 +210,7 @@ class StaticDecoder:
             self._buffers[bucket] = _Buffers(
                 longs=longs,
                 small=small,
+                prefix=prefix,
                 floats=floats,
                 input_ids=longs[0],
                 positions=longs[1],
@@ -198,6 +220,8 @@ class StaticDecoder:
                 seq_lens=small[:bucket],
                 offsets=small[bucket:-1],
                 n_rows=small[-1:],
+                prefix_lens=prefix[:bucket],
+                prefix_members=prefix[bucket:].view(lines, PREFIX_GROUP),
                 ngram_rows=ngram_rows,
             )
         return self._buffers[bucket]
@@ -212,8 +236,9 @@ class StaticDecoder:
             self._staging[name] = t
         return t[:numel]
 
-    def _fill(self, buf: _Buffers, batch: DecodeBatch, bucket: int) -> None:
-        """Copy the step's inputs into the bucket's static buffers: four host-to-device copies."""
+    def _fill(self, buf: _Buffers, batch: DecodeBatch, bucket: int) -> bool:
+        """Copy the step's inputs into the bucket's static buffers: four host-to-device copies (five
+        where rows share a prefix: whether they do is returned)."""
         if self._staged is not None:  # the staging buffers are reused: the last copies must be done
             self._staged.synchronize()
         n = len(batch)
@@ -242,10 +267,20 @@ class StaticDecoder:
             fl[1, :n] = batch.uniforms
         width = max(len(t) for t in batch.block_tables)
         table = self._host("table", n * width, torch.int32).view(n, width)
-        tn = table.numpy()
-        tn[:] = 0
-        for i, t in enumerate(batch.block_tables):
-            tn[i, : len(t)] = t
+        tn = block_table_array(batch.block_tables, width, out=table.numpy())
+        shared = False
+        if self.shared_prefix:
+            pre, members = shared_prefix_groups(tn, sm[:n], self.cache.page_size)
+            shared = len(members) > 0
+            if shared:
+                lines = buf.prefix_members.shape[0]
+                prefix = self._host("prefix", buf.prefix.numel(), torch.int32)
+                px = prefix.numpy()
+                px[:n] = pre
+                px[n:bucket] = 0
+                px[bucket:] = -1
+                px[bucket:].reshape(lines, PREFIX_GROUP)[: len(members)] = members
+                buf.prefix.copy_(prefix, non_blocking=True)
         buf.longs.copy_(longs, non_blocking=True)
         buf.small.copy_(small, non_blocking=True)
         buf.floats.copy_(floats, non_blocking=True)
@@ -262,6 +297,7 @@ class StaticDecoder:
         if self.cache.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
+        return shared
 
     def _feed(self, input_ids: torch.Tensor, chosen: torch.Tensor, src: Sequence[int]) -> None:
         """``input_ids[i] = chosen[0, src[i]]`` where ``src[i] >= 0``, on the device (queued behind
@@ -290,12 +326,11 @@ class StaticDecoder:
         slots = max(self.stacks.groups - 1, 1)
         return slots if busy > lora_decode.GROUP_PROGRAMS else min(1 << (busy - 1).bit_length(), slots)
 
-    def _forward(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0, adapters: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, buf: _Buffers, kind: _Kind) -> tuple[torch.Tensor, torch.Tensor]:
         with pdl.launches(self.dependent_launch):
-            return self._step(buf, use_lora, head, span, adapters)
+            return self._step(buf, *kind)
 
-    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int, adapters: int | None
+    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int, adapters: int | None, prefix: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
         # the positions' host-known bound: below the span past QSA's threshold, below the threshold
         # in a dense step, below the context length without QSA
@@ -308,7 +343,8 @@ class StaticDecoder:
             route.active  # noqa: B018 - computed and kept by the route
         ctx = DecodeContext(
             positions=buf.positions,
-            attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True),
+            attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True,
+                                   prefix=(buf.prefix_lens, buf.prefix_members) if prefix else None),
             lora=route,
             seq_lens=[1] * buf.positions.shape[0],
             state=self.states.static_view(buf.state_rows),
@@ -352,16 +388,15 @@ class StaticDecoder:
             raise ValueError("the static decoder records no MoE routing")
         bucket = self.bucket(len(batch))
         buf = self._buffers_for(bucket)
-        self._fill(buf, batch, bucket)
+        shared = self._fill(buf, batch, bucket)
         if feed is not None:
             self._feed(buf.input_ids[: len(batch)], *feed)
         use_lora = any(batch.slots)
         n = len(batch)
-        head = batch.record_head
-        span = self._span(batch)
-        adapters = self._adapters(batch) if use_lora else None
+        kind = _Kind(use_lora, batch.record_head, self._span(batch), self._adapters(batch) if use_lora else None,
+                     shared)
         if not self.use_graphs:
-            logits, chosen = self._forward(buf, use_lora, head, span, adapters)
+            logits, chosen = self._forward(buf, kind)
             return logits[:n], None, chosen[:, :n]
         version = self._version()
         if version != self._graph_version:  # new stacks, rollout copies quantised again, new state slabs
@@ -369,15 +404,14 @@ class StaticDecoder:
                 torch.cuda.synchronize()  # a queued step may still replay one of them
             self._graphs.clear()
             self._graph_version = version
-        key = (bucket, use_lora, head, span, adapters)
+        key = (bucket, *kind)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(buf, use_lora, head, span, adapters)
+            self._graphs[key] = self._capture(buf, kind)
         graph, (logits, chosen) = self._graphs[key]
         graph.replay()
         return logits[:n], None, chosen[:, :n]
 
-    def _capture(self, buf: _Buffers, use_lora: bool, head: int = 0, span: int = 0, adapters: int | None = None
-                 ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+    def _capture(self, buf: _Buffers, kind: _Kind) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # warm up on a side stream (Triton compilation, cuBLAS handles, rotary tables), then capture;
         # the warm-up writes the same keys and values the replay will write
         if self._pool is None:
@@ -386,11 +420,11 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(buf, use_lora, head, span, adapters)
+                self._forward(buf, kind)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(buf, use_lora, head, span, adapters)
+            out = self._forward(buf, kind)
         return graph, out
 
 

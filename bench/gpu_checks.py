@@ -614,6 +614,7 @@ def check_shared_prefix_decode() -> None:
     bf16, Hq=32 Hkv=8 D=128 (Qwen3-8B), pages of 16 in a 4,096-token table: GRPO-shaped groups
     (G rows with a P-token prompt, own tails of 1..256 tokens). Prints each kernel's time (CUDA
     graph) against the bytes it must read: the unique pages (cascade) and every row's (plain)."""
+    from ember.core.sampling import attention
     from ember.core.sampling.attention import paged_decode_torch, paged_decode_triton, shared_prefix_groups
 
     hq, hkv, d, page, scale = 32, 8, 128, 16, 128**-0.5
@@ -655,6 +656,16 @@ def check_shared_prefix_decode() -> None:
         print(f"  {name} ({b} rows): plain {t_plain:7.1f} us ({every / t_plain / 1e3:5.0f} GB/s of every row's "
               f"{every / 1e9:.2f} GB) | cascade {t_cascade:7.1f} us ({unique / t_cascade / 1e3:5.0f} GB/s of the "
               f"{unique / 1e9:.2f} GB of unique pages) | {t_plain / t_cascade:.2f}x", flush=True)
+        if "--sweep" in sys.argv and size == 8:  # the prefix kernel's launch choices
+            default = dict(attention._PREFIX_LAUNCH)
+            for rows, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3)):
+                attention._PREFIX_LAUNCH.update(rows=rows, num_warps=warps, num_stages=stages)
+                try:
+                    t = _graph_time_us(functools.partial(paged_decode_triton, q, kp, vp, bt, seq, scale, prefix=prefix))
+                    print(f"    prefix kernel rows={rows:2d} warps={warps} stages={stages}: cascade {t:7.1f} us", flush=True)
+                except Exception as e:  # noqa: BLE001 - a choice that does not compile (shared memory) is reported
+                    print(f"    prefix kernel rows={rows:2d} warps={warps} stages={stages}: {type(e).__name__}")
+            attention._PREFIX_LAUNCH.update(default)
 
 def check_relative_decode() -> None:
     """Inkling-2's decode attention through the paged kernel (relative bias by distance and sinks:

@@ -110,6 +110,7 @@ if fused.HAVE_TRITON:
         PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        PRE_SPLITS: tl.constexpr,
         SLOTS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -134,8 +135,10 @@ if fused.HAVE_TRITON:
         complete block are visible, and only those are read: the program walks ``sel_span = (C + 1)
         · sel_block`` virtual tokens, the listed blocks' then the tail's, instead of the sequence.
         ``HAS_PREFIX``: the first ``PRE[b]`` tokens are a prefix shared with other rows, which
-        :func:`_shared_prefix_kernel` attends for all of them at once; this program walks the rest
-        and leaves a partial (``SLOTS`` per row and head: the splits', then the prefix's)."""
+        :func:`_shared_prefix_kernel` (the grid before this one) attended for all of them at once,
+        leaving partials in slots ``NUM_SPLITS ..`` of ``SLOTS`` per row and head; this program walks
+        the rest. With one split it starts from the prefix's partials and finishes the row; with
+        several, each split leaves its partial too and the combine kernel merges them all."""
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
@@ -164,6 +167,22 @@ if fused.HAVE_TRITON:
         m = tl.full([REP_PAD], -1e30, tl.float32)
         lsum = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, DV_PAD], tl.float32)
+        if HAS_PREFIX and NUM_SPLITS == 1:  # continue the online softmax from the prefix's partials
+            _, _, _, _, shared = _decode_split_range(pre, 1 << 30, 0, BLOCK_N, PRE_SPLITS)
+            part = (b * (REP * tl.num_programs(1)) + heads).to(tl.int64) * SLOTS + NUM_SPLITS
+            for j in range(PRE_SPLITS):
+                # scalar conditions become row limits (the interpreter cannot AND a tensor and a scalar)
+                ok = r < tl.where((pre > 0) & (j < shared), REP, 0)
+                m_j = tl.load(ML + (part + j) * 2, mask=ok, other=-1e30)
+                l_j = tl.load(ML + (part + j) * 2 + 1, mask=ok, other=0.0)
+                acc_j = tl.load(ACC + (part + j)[:, None] * DV + dv[None, :], mask=ok[:, None] & dvmask[None, :],
+                                other=0.0)
+                m_new = tl.maximum(m, m_j)
+                alpha = tl.exp2(m - m_new)
+                beta = tl.exp2(m_j - m_new)
+                lsum = lsum * alpha + l_j * beta
+                acc = acc * alpha[:, None] + acc_j * beta[:, None]
+                m = m_new
         blk0 = first + split * per
         blk1 = tl.minimum(blk0 + per, first + nblk)  # empty for splits past ``active``
         for blk in range(blk0, blk1):
@@ -204,7 +223,7 @@ if fused.HAVE_TRITON:
             out = acc * tl.exp2(m - m_f)[:, None] / (lsum * tl.exp2(m - m_f) + tl.exp2(sink - m_f))[:, None]
         else:
             out = acc / tl.maximum(lsum, 1e-30)[:, None]  # length 0: acc = 0 -> zeros
-        if NUM_SPLITS == 1 and not HAS_PREFIX:
+        if NUM_SPLITS == 1:
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=rmask[:, None] & dvmask[None, :])
         else:
             merged = active > 1  # several partials: the combine kernel finishes the row
@@ -332,8 +351,9 @@ if fused.HAVE_TRITON:
 
         ``MEM[g]`` lists a group's rows (``GROUP`` columns, ``-1`` after the last); they share the
         first ``PRE[row]`` tokens, whose pages the first row's block table gives. Each row and head
-        gets a partial softmax in slot ``NUM_SPLITS + split`` of ``SLOTS``; the split kernel leaves
-        those of the tokens after the prefix, and the combine kernel merges them."""
+        gets a partial softmax in slot ``NUM_SPLITS + split`` of ``SLOTS``, which the split kernel
+        continues over the row's own tokens (one split) or the combine kernel merges with its
+        splits' partials (several)."""
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
@@ -401,6 +421,10 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}  # of the split kernel
 PREFIX_GROUP = 16  # rows a prefix group lists (a larger group is listed as several)
+# the prefix kernel's launch: query heads a program takes (MB rows of the group times their REP) and
+# warps/stages (module-level so ``bench/gpu_checks.py shared_prefix_decode --sweep`` can sweep them;
+# on an H100 this choice was the fastest of 16/32/64 heads x 4/8 warps x 2/3 stages, by 1-20 %)
+_PREFIX_LAUNCH = {"rows": 32, "num_warps": 4, "num_stages": 2}
 PREFIX_MIN_TOKENS = 64  # a shorter shared prefix is attended by each row (one BLOCK_N)
 
 
@@ -497,11 +521,12 @@ def paged_decode_triton(
     C = selected if selected is not None else out
     pre, members = prefix if prefix is not None else (out, out)
     launch = {"D": D, "D_PAD": d_pad, "DV": Dv, "DV_PAD": dv_pad, "PAGE": page, "BLOCK_N": block_n,
-              "NUM_SPLITS": num_splits, "SLOTS": slots,
+              "NUM_SPLITS": num_splits, "PRE_SPLITS": max(pre_splits, 1), "SLOTS": slots,
               "DOT_PRECISION": "ieee" if k_pages.dtype == torch.float32 else "tf32"}
     if prefix is not None and members.shape[0]:
         rep_p = _pow2(rep)
-        mb = min(PREFIX_GROUP, max(1, 64 // rep_p))  # rows of the group a program takes: 64 query heads
+        launch_opts = dict(_PREFIX_LAUNCH)
+        mb = min(PREFIX_GROUP, max(1, launch_opts.pop("rows") // rep_p))  # rows of the group a program takes
         _shared_prefix_kernel[(members.shape[0] * (PREFIX_GROUP // mb), Hkv, pre_splits)](
             q, k_pages, v_pages, acc, ml, block_table, pre, members,
             float(scale) * _LOG2E,
@@ -509,8 +534,8 @@ def paged_decode_triton(
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
             block_table.stride(0), members.stride(0),
-            REP=rep, REP_P=rep_p, MB=mb, GROUP=PREFIX_GROUP, PRE_SPLITS=pre_splits,
-            **launch, **_DECODE_LAUNCH, **pdl.options(),
+            REP=rep, REP_P=rep_p, MB=mb, GROUP=PREFIX_GROUP,
+            **launch, **launch_opts, **pdl.options(),
         )
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
@@ -555,7 +580,7 @@ def paged_decode_triton(
         **_DECODE_LAUNCH,
         **pdl.options(),
     )
-    if slots > 1:
+    if num_splits > 1:
         _paged_decode_combine[(B, Hq)](
             out,
             acc,

@@ -518,12 +518,8 @@ def check_paged_decode() -> None:
     """The paged decode attention kernel (flash-decoding, bf16): time per call inside a CUDA graph
     (as a decode step runs it) and the K+V bandwidth it reaches, vs the reference for correctness.
     Hq=32, Hkv=8, D=128, pages of 16, every sequence ``ctx`` tokens long, in shuffled pages."""
-    from ember.core.sampling.attention import (
-        _decode_block_n,
-        _decode_num_splits,
-        paged_decode_torch,
-        paged_decode_triton,
-    )
+    from ember.core.kernels.paged_decode import _decode_block_n, _decode_num_splits, paged_decode_triton
+    from ember.core.sampling.attention import paged_decode_torch
 
     peak = 4.3e12  # H200 device-to-device copy (read + write), bytes/s; pure reads can pass it a little
     hq, hkv, d, page, scale = 32, 8, 128, 16, 128**-0.5
@@ -614,8 +610,9 @@ def check_shared_prefix_decode() -> None:
     bf16, Hq=32 Hkv=8 D=128 (Qwen3-8B), pages of 16 in a 4,096-token table: GRPO-shaped groups
     (G rows with a P-token prompt, own tails of 1..256 tokens). Prints each kernel's time (CUDA
     graph) against the bytes it must read: the unique pages (cascade) and every row's (plain)."""
-    from ember.core.sampling import attention
-    from ember.core.sampling.attention import paged_decode_torch, paged_decode_triton, shared_prefix_groups
+    from ember.core.kernels import paged_decode
+    from ember.core.kernels.paged_decode import paged_decode_triton
+    from ember.core.sampling.attention import paged_decode_torch, shared_prefix_groups
 
     hq, hkv, d, page, scale = 32, 8, 128, 16, 128**-0.5
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -657,23 +654,24 @@ def check_shared_prefix_decode() -> None:
               f"{every / 1e9:.2f} GB) | cascade {t_cascade:7.1f} us ({unique / t_cascade / 1e3:5.0f} GB/s of the "
               f"{unique / 1e9:.2f} GB of unique pages) | {t_plain / t_cascade:.2f}x", flush=True)
         if "--sweep" in sys.argv and size == 8:  # the prefix kernel's launch choices
-            default = dict(attention._PREFIX_LAUNCH)
+            default = dict(paged_decode._PREFIX_LAUNCH)
             for rows, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3)):
-                attention._PREFIX_LAUNCH.update(rows=rows, num_warps=warps, num_stages=stages)
+                paged_decode._PREFIX_LAUNCH.update(rows=rows, num_warps=warps, num_stages=stages)
                 try:
                     t = _graph_time_us(functools.partial(paged_decode_triton, q, kp, vp, bt, seq, scale, prefix=prefix))
                     print(f"    prefix kernel rows={rows:2d} warps={warps} stages={stages}: cascade {t:7.1f} us", flush=True)
                 except Exception as e:  # noqa: BLE001 - a choice that does not compile (shared memory) is reported
                     print(f"    prefix kernel rows={rows:2d} warps={warps} stages={stages}: {type(e).__name__}")
-            attention._PREFIX_LAUNCH.update(default)
+            paged_decode._PREFIX_LAUNCH.update(default)
 
 def check_relative_decode() -> None:
     """Inkling-2's decode attention through the paged kernel (relative bias by distance and sinks:
     ``HAS_BIAS`` / ``HAS_SINK``), bf16, against the gathered PyTorch path of the same contract in
     fp32, on a global layer (extent 512) and a sliding one (window 512); ragged lengths over
     shuffled pages of 16, an empty row, several splits (64 rows x 8 KV heads)."""
+    from ember.core.kernels.paged_decode import paged_decode_triton
     from ember.core.layers.relative_attention import RelativeAttentionSpec
-    from ember.core.sampling.attention import gather_pages, paged_decode_triton, relative_decode
+    from ember.core.sampling.attention import gather_pages, relative_decode
 
     hq, hkv, d, page, b, scale = 48, 8, 128, 16, 64, 128**-0.5
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -701,8 +699,9 @@ def check_selected_decode() -> None:
     (``HAS_SELECT``: only the chosen blocks and the tail read), bf16, against the gathered fp32 PyTorch path
     (``masked_decode`` over ``BlockSelection.token_mask``); ragged lengths over shuffled pages of 16,
     an empty row, 128-token blocks, 8 of them chosen (64 rows x 2 KV heads, several splits)."""
+    from ember.core.kernels.paged_decode import paged_decode_triton
     from ember.core.layers.qsa import BlockSelection
-    from ember.core.sampling.attention import gather_pages, masked_decode, paged_decode_triton
+    from ember.core.sampling.attention import gather_pages, masked_decode
 
     hq, hkv, d, page, b, r, k, scale = 16, 2, 256, 16, 64, 128, 8, 256**-0.5
     gen = torch.Generator(device="cuda").manual_seed(4)

@@ -23,7 +23,7 @@ PARTICIPANTS = {
     "ember.core.kernels.lora_decode": ("_lora_shrink_kernel", "_lora_expand_kernel"),
     "ember.core.kernels.swiglu_decode": ("_swiglu_lora",),
     "ember.core.kernels.sampling": ("_partials", "_finish"),
-    "ember.core.sampling.attention": ("_paged_decode_kernel", "_paged_decode_combine"),
+    "ember.core.kernels.paged_decode": ("_paged_decode_kernel", "_paged_decode_combine", "_shared_prefix_kernel"),
 }
 
 

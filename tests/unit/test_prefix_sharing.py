@@ -267,7 +267,7 @@ def test_shared_prefix_attention_in_the_engine(tmp_path):
         from tests.triton_interp import LaunchGrids, patch_interpreter
         patch_interpreter()
         import numpy as np
-        from ember.core.sampling import attention
+        from ember.core.kernels import paged_decode
         from tests.tiny_models import random_sequences
         from tests.unit.test_prefix_sharing import VOCAB, _req, _same, _worker
 
@@ -275,7 +275,7 @@ def test_shared_prefix_attention_in_the_engine(tmp_path):
         prompt, other = random_sequences(VOCAB, [70, 70], seed=4)
         reqs = [_req(prompt, seeds=(1, 2, 3), max_tokens=4), _req(prompt, seeds=(4,), max_tokens=4),
                 _req(other, seeds=(5,), max_tokens=4)]
-        launches = LaunchGrids(attention, "_shared_prefix_kernel")
+        launches = LaunchGrids(paged_decode, "_shared_prefix_kernel")
         for static in (False, True):
             runs = []
             for shared in (True, False):

@@ -74,7 +74,8 @@ def test_paged_decode_triton_kernel_matches_reference():
         patch_interpreter()
 
         from ember.core.kernels import fused
-        from ember.core.sampling.attention import paged_decode_attention, paged_decode_torch, paged_decode_triton
+        from ember.core.kernels.paged_decode import paged_decode_triton
+        from ember.core.sampling.attention import paged_decode_attention, paged_decode_torch
         from tests.unit.test_sampler_cache import _paged_case
         assert fused.use_triton(torch.zeros(1))
 
@@ -158,8 +159,9 @@ def test_shared_prefix_decode_kernel_matches_reference():
         from tests.triton_interp import patch_interpreter
         patch_interpreter()
 
-        from ember.core.sampling import attention
-        from ember.core.sampling.attention import paged_decode_torch, paged_decode_triton, shared_prefix_groups
+        from ember.core.kernels import paged_decode
+        from ember.core.kernels.paged_decode import paged_decode_triton
+        from ember.core.sampling.attention import paged_decode_torch, shared_prefix_groups
         from tests.triton_interp import LaunchGrids
         from tests.unit.test_sampler_cache import _shared_case
 
@@ -173,7 +175,7 @@ def test_shared_prefix_decode_kernel_matches_reference():
             prefix = (torch.from_numpy(pre), torch.from_numpy(members))
             ref = paged_decode_torch(q, cache.k[0], cache.v[0], bt, lens, 0.3)
             for ns in splits:
-                launches = LaunchGrids(attention, "_shared_prefix_kernel")
+                launches = LaunchGrids(paged_decode, "_shared_prefix_kernel")
                 got = paged_decode_triton(q, cache.k[0], cache.v[0], bt, lens, 0.3, num_splits=ns, prefix=prefix)
                 launches.restore()
                 assert len(launches.grids) == 1, launches.grids

@@ -150,7 +150,8 @@ def test_shared_prefix_decode_kernel_matches_reference():
     own tokens by the split kernel, the partials merged) gives the reference's attention, under
     Triton's interpreter: groups of 2 to 20 rows (a group wider than PREFIX_GROUP split over
     lines), prefixes of one to several 64-token blocks and over several splits, rows that do not
-    share, a padding row, GQA 4 and 1 (MHA), one and several splits of the rows' own tokens."""
+    share, a padding row, GQA 4 and 1 (MHA), one and several splits of the rows' own tokens; with
+    GQA 32 (a program would take one row) the prefix kernel is not launched."""
     pytest.importorskip("triton")
     script = textwrap.dedent(
         """
@@ -165,7 +166,7 @@ def test_shared_prefix_decode_kernel_matches_reference():
         from tests.triton_interp import LaunchGrids
         from tests.unit.test_sampler_cache import _shared_case
 
-        def check(groups, splits, page=4, min_tokens=8, **kw):
+        def check(groups, splits, page=4, min_tokens=8, shared=True, **kw):
             cache, q, bt, lens = _shared_case(groups, page=page, **kw)
             lens = torch.cat([lens, torch.zeros(1, dtype=torch.int32)])  # a padding row
             bt = torch.cat([bt, torch.zeros(1, bt.shape[1], dtype=torch.int32)])
@@ -178,7 +179,7 @@ def test_shared_prefix_decode_kernel_matches_reference():
                 launches = LaunchGrids(paged_decode, "_shared_prefix_kernel")
                 got = paged_decode_triton(q, cache.k[0], cache.v[0], bt, lens, 0.3, num_splits=ns, prefix=prefix)
                 launches.restore()
-                assert len(launches.grids) == 1, launches.grids
+                assert len(launches.grids) == int(shared), launches.grids
                 err = (got - ref).abs().max().item()
                 assert err < 1e-5, (groups, ns, kw, err)
                 assert got[-1].abs().max().item() == 0.0
@@ -190,6 +191,8 @@ def test_shared_prefix_decode_kernel_matches_reference():
         check([(128, list(range(1, 21))), (32, [3, 3])], (None,), hq=2, hkv=2)
         # page 16, GQA 4, prefix not a multiple of 64 tokens, own tokens over several blocks
         check([(80, [100, 1, 17]), (16, [2, 40])], (None, 3), page=16, hq=4, hkv=1, min_tokens=16)
+        # 32 query heads a KV head: a prefix program would take one row, so every row reads its own
+        check([(64, [3, 9])], (None,), hq=32, hkv=1, shared=False)
         print("ok")
         """
     )

@@ -492,9 +492,14 @@ def paged_decode_triton(
         num_splits = _decode_num_splits(B, Hkv, longest, block_n, q.device)
     num_splits = max(1, int(num_splits))
     pre_splits = 0
+    if prefix is not None and (window or profiles is not None or sinks is not None or selected is not None):
+        raise ValueError("a shared prefix is attended apart only without a window, bias, sink or selection")
+    rep_p = _pow2(rep)
+    launch_opts = dict(_PREFIX_LAUNCH)
+    mb = min(PREFIX_GROUP, max(1, launch_opts.pop("rows") // rep_p))  # rows of a group a prefix program takes
+    if mb < 2:
+        prefix = None  # one row a program (many query heads a KV head): nothing read once for several
     if prefix is not None:
-        if window or profiles is not None or sinks is not None or selected is not None:
-            raise ValueError("a shared prefix is attended apart only without a window, bias, sink or selection")
         pre_splits = _decode_num_splits(max(1, B // PREFIX_GROUP), Hkv, block_table.shape[1] * page, block_n, q.device)
     slots = num_splits + pre_splits
     if slots > 1:
@@ -515,9 +520,6 @@ def paged_decode_triton(
               "NUM_SPLITS": num_splits, "PRE_SPLITS": max(pre_splits, 1), "SLOTS": slots,
               "DOT_PRECISION": "ieee" if k_pages.dtype == torch.float32 else "tf32"}
     if prefix is not None and members.shape[0]:
-        rep_p = _pow2(rep)
-        launch_opts = dict(_PREFIX_LAUNCH)
-        mb = min(PREFIX_GROUP, max(1, launch_opts.pop("rows") // rep_p))  # rows of the group a program takes
         _shared_prefix_kernel[(members.shape[0] * (PREFIX_GROUP // mb), Hkv, pre_splits)](
             q, k_pages, v_pages, acc, ml, block_table, pre, members,
             float(scale) * _LOG2E,

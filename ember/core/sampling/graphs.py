@@ -16,7 +16,8 @@ every pointer fixed, so this decoder
   dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`);
 * with ``shared_prefix``, attends a prefix that several rows share once for them (cascade attention,
   :func:`~ember.core.sampling.attention.shared_prefix_groups`): the groups are static buffers too,
-  and a step with groups replays its own graph (a step without any launches no prefix kernels).
+  and a graph is keyed on their count to a power of two (a step without any launches no prefix
+  kernel; one with a few launches none for the buffer's unused lines).
 
 Routed experts keep their grouped products (routing, sort and group ends stay on the device, so
 they capture too); their LoRA factors are stacked per expert group (one per slot with expert LoRA,
@@ -109,7 +110,7 @@ class _Kind(NamedTuple):
     head: int = 0  # the stability record's head width (0: none)
     span: int = 0  # past QSA's dense threshold: the keys its selection reads
     adapters: int | None = None  # the LoRA kernels' sizing (StaticDecoder._adapters)
-    prefix: bool = False  # some rows share a prefix (cascade attention)
+    prefix: int = 0  # prefix groups' lines the step launches for (a power of two; 0: no rows share one)
 
 
 class StaticDecoder:
@@ -236,9 +237,11 @@ class StaticDecoder:
             self._staging[name] = t
         return t[:numel]
 
-    def _fill(self, buf: _Buffers, batch: DecodeBatch, bucket: int) -> bool:
+    def _fill(self, buf: _Buffers, batch: DecodeBatch, bucket: int) -> int:
         """Copy the step's inputs into the bucket's static buffers: four host-to-device copies (five
-        where rows share a prefix: whether they do is returned)."""
+        where rows share a prefix). Returns the prefix groups' lines to launch for: their count to a
+        power of two (0: none), so the prefix kernel launches no idle programs for most of the
+        buffer's lines and a few graphs serve every step."""
         if self._staged is not None:  # the staging buffers are reused: the last copies must be done
             self._staged.synchronize()
         n = len(batch)
@@ -268,11 +271,11 @@ class StaticDecoder:
         width = max(len(t) for t in batch.block_tables)
         table = self._host("table", n * width, torch.int32).view(n, width)
         tn = block_table_array(batch.block_tables, width, out=table.numpy())
-        shared = False
+        shared = 0
         if self.shared_prefix:
             pre, members = shared_prefix_groups(tn, sm[:n], self.cache.page_size)
-            shared = len(members) > 0
-            if shared:
+            if len(members):
+                shared = min(1 << (len(members) - 1).bit_length(), buf.prefix_members.shape[0])
                 lines = buf.prefix_members.shape[0]
                 prefix = self._host("prefix", buf.prefix.numel(), torch.int32)
                 px = prefix.numpy()
@@ -330,7 +333,7 @@ class StaticDecoder:
         with pdl.launches(self.dependent_launch):
             return self._step(buf, *kind)
 
-    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int, adapters: int | None, prefix: bool
+    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int, adapters: int | None, prefix: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
         # the positions' host-known bound: below the span past QSA's threshold, below the threshold
         # in a dense step, below the context length without QSA
@@ -344,7 +347,7 @@ class StaticDecoder:
         ctx = DecodeContext(
             positions=buf.positions,
             attend=DecodeAttention(self.cache, buf.slot_mapping, buf.block_table, buf.seq_lens, fixed_selection=True,
-                                   prefix=(buf.prefix_lens, buf.prefix_members) if prefix else None),
+                                   prefix=(buf.prefix_lens, buf.prefix_members[:prefix]) if prefix else None),
             lora=route,
             seq_lens=[1] * buf.positions.shape[0],
             state=self.states.static_view(buf.state_rows),

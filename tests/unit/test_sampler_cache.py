@@ -233,6 +233,58 @@ def test_shared_prefix_groups():
     assert not pre3.any() and members3.shape == (0, PREFIX_GROUP)
 
 
+def _prefix_groups_by_rows(table, lens, page, min_tokens):
+    """:func:`shared_prefix_groups`'s rule row by row in plain Python: ``{row: shared tokens}``
+    and the groups as sets of rows."""
+    full = [min(max(n - 1, 0) // page, table.shape[1]) for n in lens]
+    held = {}
+    for r, f in enumerate(full):
+        for p in table[r, :f]:
+            held[p] = held.get(p, 0) + 1
+    by_page = {}
+    for r, f in enumerate(full):
+        depth = 0
+        while depth < f and table[r, depth] != 0 and held[table[r, depth]] >= 2:
+            depth += 1
+        if depth and depth * page >= min_tokens:
+            by_page.setdefault(table[r, depth - 1], []).append((r, depth))
+    shared, groups = {}, []
+    for rows in by_page.values():
+        if len(rows) >= 2:
+            shared.update({r: d * page for r, d in rows})
+            groups.append({r for r, _ in rows})
+    return shared, groups
+
+
+def test_shared_prefix_groups_on_random_prefix_trees():
+    """Random prefix trees of pages (rows that take a leading part of an earlier row's pages, then
+    pages of their own), every minimum length: the same groups as the rule applied row by row."""
+    from ember.core.sampling.attention import PREFIX_GROUP, shared_prefix_groups
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, width, page = int(rng.integers(1, 40)), int(rng.integers(1, 10)), int(rng.choice([1, 4, 16]))
+        table, lens, rows, fresh = np.zeros((n, width), dtype=np.int32), np.zeros(n, dtype=np.int64), [], 1
+        for r in range(n):
+            row = rows[int(rng.integers(len(rows)))][: int(rng.integers(width + 1))] if rows and rng.random() < 0.7 else []
+            while len(row) < width and rng.random() < 0.8:
+                row, fresh = row + [fresh], fresh + 1
+            rows.append(row)
+            table[r, : len(row)] = row
+            lens[r] = int(rng.integers((len(row) - 1) * page + 1, len(row) * page + 1)) if row else 0
+        for min_tokens in (0, page, 3 * page):
+            pre, members = shared_prefix_groups(table, lens, page, min_tokens)
+            shared, groups = _prefix_groups_by_rows(table, lens, page, min_tokens)
+            assert {r: int(t) for r, t in enumerate(pre) if t} == shared
+            got = {}  # a group's lines: PREFIX_GROUP rows each, the last one padded with -1
+            for line in members:
+                live = line[line >= 0]
+                assert len(live) and (line[len(live):] == -1).all()
+                got.setdefault(pre[live[0]] and table[live[0], pre[live[0]] // page - 1], set()).update(live.tolist())
+            assert sorted(map(sorted, got.values())) == sorted(map(sorted, groups))
+            assert len(members) == sum(-(-len(g) // PREFIX_GROUP) for g in groups)
+
+
 def test_pages_are_shared_by_forks_and_released():
     cache = PagedKVCache(num_pages=6, page_size=4, dtype=torch.float32, device="cpu")
     pages = [cache.allocate() for _ in range(2)]  # 6 tokens: one full page, one partial

@@ -133,22 +133,21 @@ def shared_prefix_groups(table: np.ndarray, lens: np.ndarray, page: int, min_tok
     held = np.bincount(pages.ravel())[pages] >= 2
     held &= pages != SCRATCH_PAGE
     depth = np.cumprod(held, axis=1).sum(axis=1)  # leading pages some other row holds too
-    rows = np.flatnonzero(depth * page >= min_tokens)
+    rows = np.flatnonzero((depth > 0) & (depth * page >= min_tokens))
     deepest = pages[rows, depth[rows] - 1]
     order = np.argsort(deepest, kind="stable")
     rows, deepest = rows[order], deepest[order]
     starts = np.flatnonzero(np.r_[True, deepest[1:] != deepest[:-1]])
-    lines = []
-    for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
-        if b - a < 2:
-            continue  # no other row shares this row's deepest page
-        group = rows[a:b]
-        shared[group] = depth[group] * page
-        for c in range(0, len(group), PREFIX_GROUP):
-            line = np.full(PREFIX_GROUP, -1, dtype=np.int32)
-            line[: len(group[c : c + PREFIX_GROUP])] = group[c : c + PREFIX_GROUP]
-            lines.append(line)
-    members = np.stack(lines) if lines else np.zeros((0, PREFIX_GROUP), dtype=np.int32)
+    sizes = np.diff(np.r_[starts, len(rows)])
+    group = np.repeat(np.arange(len(starts)), sizes)  # each sorted row's group
+    pos = np.arange(len(rows)) - starts[group]  # and its place in it
+    keep = (sizes >= 2)[group]  # a row alone at its deepest page shares nothing
+    rows, group, pos = rows[keep], group[keep], pos[keep]
+    shared[rows] = depth[rows] * page
+    lines = np.where(sizes >= 2, -(-sizes // PREFIX_GROUP), 0)  # a group's lines
+    first = np.cumsum(lines) - lines
+    members = np.full((int(lines.sum()), PREFIX_GROUP), -1, dtype=np.int32)
+    members[first[group] + pos // PREFIX_GROUP, pos % PREFIX_GROUP] = rows
     return shared, members
 
 

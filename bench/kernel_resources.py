@@ -1,0 +1,91 @@
+"""Registers, local memory (spills), shared memory and software pipelining of the paged decode
+kernels, compiled for sm_90a (Hopper) on this machine: no GPU is needed, only Triton's CUDA tool
+chain (it ships ``cuobjdump``). A register count at the 255 limit with a stack means spills; at 4
+warps, 255 registers a thread leave room for two programs an SM. ``async`` counts the loads Triton
+turned into asynchronous copies (what its software pipelining of a loop issues, ``num_stages``):
+0 means each block's loads are waited for in its own iteration.
+
+    python bench/kernel_resources.py            # Qwen3-8B's decode shapes (Hq=32, Hkv=8, D=128)
+
+The numbers are those of the local Triton, which may differ from the GPU machine's version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from ember.core.kernels import paged_decode as pd
+
+
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2,
+              unaligned: tuple[str, ...] = ()) -> dict:
+    """``{"regs", "stack", "shared", "async"}`` of ``fn`` compiled for sm_90a (bytes for stack and
+    shared; ``async``: asynchronous copies in its TTGIR). As a launch specialises them, pointers and
+    integer arguments are taken as multiples of 16, except those named in ``unaligned``."""
+    aligned = [i for i, (name, kind) in enumerate(signature.items())
+               if name not in unaligned and (kind.startswith("*") or kind == "i32")]
+    for name in constexprs:
+        signature[name] = "constexpr"
+    compiled = triton.compile(
+        triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                  attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
+        target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {
+        "regs": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        "shared": compiled.metadata.shared,
+        "async": len(re.findall(r"async_copy_global_to_local", compiled.asm["ttgir"])),
+    }
+
+
+def _strides(*names: str) -> dict:
+    return {n: "i32" for n in names}
+
+
+def main() -> None:
+    shape = {"D": 128, "D_PAD": 128, "DV": 128, "DV_PAD": 128, "PAGE": 16, "BLOCK_N": 64, "DOT_PRECISION": "tf32",
+             "PDL": False}
+    split_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "ACC": "*fp32", "ML": "*fp32", "BT": "*i32",
+                 "LENS": "*i32", "P": "*bf16", "SINK": "*bf16", "SEL": "*i32", "PRE": "*i32", "qk_scale": "fp32",
+                 "window": "i32", "rel_extent": "i32", "sel_block": "i32", "sel_span": "i32",
+                 **_strides("stride_qb", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
+                            "stride_vh", "stride_ob", "stride_oh", "stride_bt", "stride_pb", "stride_ph", "stride_sb",
+                            "stride_selb")}
+    prefix_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "ACC": "*fp32", "ML": "*fp32", "BT": "*i32", "PRE": "*i32",
+                  "MEM": "*i32", "qk_scale": "fp32",
+                  **_strides("stride_qb", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
+                             "stride_vh", "stride_bt", "stride_mem")}
+    # a block table's width is any number of pages; lengths and windows any number of tokens
+    scalars = ("stride_bt", "stride_selb", "window", "rel_extent", "sel_block", "sel_span")
+    print(f"triton {triton.__version__}")
+    print("kernel (Hq=32 Hkv=8 D=128 bf16, pages of 16)            warps  regs  stack (B)  shared (B)  async")
+    for prefix in (False, True):
+        for warps in (4, 8):
+            consts = {**shape, "REP": 4, "REP_PAD": 16, "NUM_SPLITS": 1, "PRE_SPLITS": 2, "SLOTS": 3 if prefix else 1,
+                      "HAS_BIAS": False, "HAS_SINK": False, "HAS_SELECT": False, "HAS_PREFIX": prefix}
+            r = resources(pd._paged_decode_kernel, dict(split_sig), consts, warps, unaligned=scalars)
+            name = "split kernel, one split" + (", after a shared prefix" if prefix else "")
+            print(f"{name:56s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
+    for rows in (16, 32, 64):
+        for warps in (4, 8):
+            consts = {**shape, "REP": 4, "REP_P": 4, "MB": rows // 4, "GROUP": pd.PREFIX_GROUP, "NUM_SPLITS": 1,
+                      "PRE_SPLITS": 2, "SLOTS": 3}
+            r = resources(pd._shared_prefix_kernel, dict(prefix_sig), consts, warps, unaligned=("stride_bt",))
+            name = f"prefix kernel, {rows} query heads a program"
+            print(f"{name:56s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
+
+
+if __name__ == "__main__":
+    main()

@@ -491,14 +491,13 @@ def paged_decode_triton(
         longest = sel_span or block_table.shape[1] * page
         num_splits = _decode_num_splits(B, Hkv, longest, block_n, q.device)
     num_splits = max(1, int(num_splits))
-    pre_splits = 0
-    if prefix is not None and (window or profiles is not None or sinks is not None or selected is not None):
-        raise ValueError("a shared prefix is attended apart only without a window, bias, sink or selection")
-    rep_p = _pow2(rep)
-    launch_opts = dict(_PREFIX_LAUNCH)
-    mb = min(PREFIX_GROUP, max(1, launch_opts.pop("rows") // rep_p))  # rows of a group a prefix program takes
-    if mb < 2:
-        prefix = None  # one row a program (many query heads a KV head): nothing read once for several
+    pre_splits = mb = 0
+    if prefix is not None:
+        if window or profiles is not None or sinks is not None or selected is not None:
+            raise ValueError("a shared prefix is attended apart only without a window, bias, sink or selection")
+        mb = min(PREFIX_GROUP, max(1, _PREFIX_LAUNCH["rows"] // _pow2(rep)))  # rows of a group a program takes
+        if mb < 2:
+            prefix = None  # one row a program (many query heads a KV head): nothing read once for several
     if prefix is not None:
         pre_splits = _decode_num_splits(max(1, B // PREFIX_GROUP), Hkv, block_table.shape[1] * page, block_n, q.device)
     slots = num_splits + pre_splits
@@ -527,8 +526,9 @@ def paged_decode_triton(
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
             block_table.stride(0), members.stride(0),
-            REP=rep, REP_P=rep_p, MB=mb, GROUP=PREFIX_GROUP,
-            **launch, **launch_opts, **pdl.options(),
+            REP=rep, REP_P=_pow2(rep), MB=mb, GROUP=PREFIX_GROUP,
+            num_warps=_PREFIX_LAUNCH["num_warps"], num_stages=_PREFIX_LAUNCH["num_stages"],
+            **launch, **pdl.options(),
         )
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,

@@ -139,7 +139,7 @@ class EagerDecoder:
         shared_prefix: bool = True,
     ):
         self.model = model
-        self.shared_prefix = shared_prefix
+        self.shared_prefix = shared_prefix and fused.use_triton(torch.empty(0, device=cache.device))
         self.bank = bank
         self.cache = cache
         self.states = states
@@ -179,7 +179,7 @@ class EagerDecoder:
         positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
         table = block_table_array(batch.block_tables, max(len(t) for t in batch.block_tables))
         prefix = None
-        if self.shared_prefix and fused.use_triton(positions):
+        if self.shared_prefix:
             pre, members = shared_prefix_groups(table, np.asarray(batch.positions) + 1, self.cache.page_size)
             if len(members):
                 prefix = (torch.from_numpy(pre).to(device), torch.from_numpy(members).to(device))

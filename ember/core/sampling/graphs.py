@@ -331,10 +331,10 @@ class StaticDecoder:
 
     def _forward(self, buf: _Buffers, kind: _Kind) -> tuple[torch.Tensor, torch.Tensor]:
         with pdl.launches(self.dependent_launch):
-            return self._step(buf, *kind)
+            return self._step(buf, kind)
 
-    def _step(self, buf: _Buffers, use_lora: bool, head: int, span: int, adapters: int | None, prefix: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, buf: _Buffers, kind: _Kind) -> tuple[torch.Tensor, torch.Tensor]:
+        use_lora, head, span, adapters, prefix = kind
         # the positions' host-known bound: below the span past QSA's threshold, below the threshold
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1

@@ -517,8 +517,11 @@ def check_hyper_connections() -> None:
 def check_paged_decode() -> None:
     """The paged decode attention kernel (flash-decoding, bf16): time per call inside a CUDA graph
     (as a decode step runs it) and the K+V bandwidth it reaches, vs the reference for correctness.
-    Hq=32, Hkv=8, D=128, pages of 16, every sequence ``ctx`` tokens long, in shuffled pages."""
-    from ember.core.kernels.paged_decode import _decode_block_n, _decode_num_splits, paged_decode_triton
+    Hq=32, Hkv=8, D=128, pages of 16, every sequence ``ctx`` tokens long, in shuffled pages. The
+    KV heads a program takes are the shapes' choice (marked ``*``); ``--sweep`` times 1, 2 and 4
+    as well."""
+    from ember.core.kernels import paged_decode
+    from ember.core.kernels.paged_decode import _decode_block_n, _decode_heads, _decode_num_splits, paged_decode_triton
     from ember.core.sampling.attention import paged_decode_torch
 
     peak = 4.3e12  # H200 device-to-device copy (read + write), bytes/s; pure reads can pass it a little
@@ -547,6 +550,28 @@ def check_paged_decode() -> None:
         if empty.any() and got[:rows][empty].abs().max().item() != 0:
             report(f"paged decode {name}: empty rows are zero", 1.0, 0.0)
 
+    def timed(sets) -> float:
+        """Seconds a call, 20 calls over the cache sets in turn captured in one CUDA graph."""
+        paged_decode_triton(*sets[0][:5], scale)  # compile outside the capture
+        torch.cuda.synchronize()
+        calls = 20
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                paged_decode_triton(*sets[i % len(sets)][:5], scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 10
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / (reps * calls)
+
+    # KV heads a program: the shapes' choice, and with --sweep each one forced
+    choices = (None, 1, 2, 4) if "--sweep" in sys.argv else (None,)
     for b in (1, 64, 256):
         for ctx in (128, 512, 2048, 8192):
             for width in (-(-ctx // page), 32768 // page):  # a tight table; a decode step's static one
@@ -555,30 +580,21 @@ def check_paged_decode() -> None:
                 sets = [case(b, [ctx] * b, width) for _ in range(min(20, -(-(512 << 20) // nbytes)))]
                 q, kp, vp, table, lens = sets[0]
                 check(f"B={b} ctx={ctx} W={width}", q, kp, vp, table, lens)
-                splits = _decode_num_splits(b, hkv, width * page, _decode_block_n(d, d), q.device)
-                paged_decode_triton(q, kp, vp, table, lens, scale)  # compile outside the capture
-                torch.cuda.synchronize()
-                calls = 20
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for i in range(calls):
-                        q, kp, vp, table, lens = sets[i % len(sets)]
-                        paged_decode_triton(q, kp, vp, table, lens, scale)
-                graph.replay()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                reps = 10
-                start.record()
-                for _ in range(reps):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                sec = start.elapsed_time(end) / 1e3 / (reps * calls)
-                print(
-                    f"  B={b:4d} ctx={ctx:5d} W={width:5d} splits={splits:2d}: {sec * 1e6:8.1f} us  "
-                    f"{nbytes / sec / 1e9:7.0f} GB/s ({100 * nbytes / sec / peak:4.1f}% of peak)"
-                )
-                del graph, sets, q, kp, vp, table, lens
+                for forced in choices:
+                    paged_decode._DECODE_LAUNCH["heads"] = forced
+                    if forced:
+                        check(f"B={b} ctx={ctx} W={width} heads={forced}", q, kp, vp, table, lens)
+                    heads = _decode_heads(b, hkv, hq // hkv, _decode_block_n(d, d), q.device)
+                    splits = _decode_num_splits(b, -(-hkv // heads), width * page, _decode_block_n(d, d) // heads,
+                                                q.device)
+                    sec = timed(sets)
+                    print(
+                        f"  B={b:4d} ctx={ctx:5d} W={width:5d} heads={heads}{'' if forced else '*'} splits={splits:2d}: "
+                        f"{sec * 1e6:8.1f} us  {nbytes / sec / 1e9:7.0f} GB/s ({100 * nbytes / sec / peak:4.1f}% of peak)",
+                        flush=True,
+                    )
+                paged_decode._DECODE_LAUNCH["heads"] = None
+                del sets, q, kp, vp, table, lens
     # ragged lengths (empty rows included) and a sliding window, against the reference
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(0, 3000, (64,), generator=g).tolist()
@@ -653,6 +669,13 @@ def check_shared_prefix_decode() -> None:
         print(f"  {name} ({b} rows): plain {t_plain:7.1f} us ({every / t_plain / 1e3:5.0f} GB/s of every row's "
               f"{every / 1e9:.2f} GB) | cascade {t_cascade:7.1f} us ({unique / t_cascade / 1e3:5.0f} GB/s of the "
               f"{unique / 1e9:.2f} GB of unique pages) | {t_plain / t_cascade:.2f}x", flush=True)
+        if "--sweep" in sys.argv:  # the split kernel's KV heads a program, with and without the prefix kernel
+            for heads in (1, 2, 4):
+                paged_decode._DECODE_LAUNCH["heads"] = heads
+                t_p = _graph_time_us(functools.partial(paged_decode_triton, q, kp, vp, bt, seq, scale))
+                t_c = _graph_time_us(functools.partial(paged_decode_triton, q, kp, vp, bt, seq, scale, prefix=prefix))
+                print(f"    split kernel heads={heads}: plain {t_p:7.1f} us | cascade {t_c:7.1f} us", flush=True)
+            paged_decode._DECODE_LAUNCH["heads"] = None
         if "--sweep" in sys.argv and size == 8:  # the prefix kernel's launch choices
             default = dict(paged_decode._PREFIX_LAUNCH)
             for rows, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3)):

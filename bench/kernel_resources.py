@@ -12,6 +12,7 @@ The numbers are those of the local Triton, which may differ from the GPU machine
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -55,7 +56,7 @@ def _strides(*names: str) -> dict:
 
 
 def main() -> None:
-    shape = {"D": 128, "D_PAD": 128, "DV": 128, "DV_PAD": 128, "PAGE": 16, "BLOCK_N": 64, "DOT_PRECISION": "tf32",
+    shape = {"D": 128, "D_PAD": 128, "DV": 128, "DV_PAD": 128, "PAGE": 16, "PRE_BLOCK_N": 64, "DOT_PRECISION": "tf32",
              "PDL": False}
     split_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "ACC": "*fp32", "ML": "*fp32", "BT": "*i32",
                  "LENS": "*i32", "P": "*bf16", "SINK": "*bf16", "SEL": "*i32", "PRE": "*i32", "qk_scale": "fp32",
@@ -70,21 +71,22 @@ def main() -> None:
     # a block table's width is any number of pages; lengths and windows any number of tokens
     scalars = ("stride_bt", "stride_selb", "window", "rel_extent", "sel_block", "sel_span")
     print(f"triton {triton.__version__}")
-    print("kernel (Hq=32 Hkv=8 D=128 bf16, pages of 16)            warps  regs  stack (B)  shared (B)  async")
-    for prefix in (False, True):
-        for warps in (4, 8):
-            consts = {**shape, "REP": 4, "REP_PAD": 16, "NUM_SPLITS": 1, "PRE_SPLITS": 2, "SLOTS": 3 if prefix else 1,
-                      "HAS_BIAS": False, "HAS_SINK": False, "HAS_SELECT": False, "HAS_PREFIX": prefix}
-            r = resources(pd._paged_decode_kernel, dict(split_sig), consts, warps, unaligned=scalars)
-            name = "split kernel, one split" + (", after a shared prefix" if prefix else "")
-            print(f"{name:56s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
+    print(f"{'kernel (Hq=32 Hkv=8 D=128 bf16, pages of 16)':72s} warps  regs  stack (B)  shared (B)  async")
+    for prefix, heads, warps in itertools.product((False, True), (1, 2, 4), (4, 8)):
+        consts = {**shape, "REP": 4, "REP_P": 4, "HEADS": heads, "HKV": 8, "M_PAD": max(16, 4 * heads),
+                  "BLOCK_N": 64 // heads, "NUM_SPLITS": 1, "PRE_SPLITS": 2, "SLOTS": 3 if prefix else 1,
+                  "HAS_BIAS": False, "HAS_SINK": False, "HAS_SELECT": False, "HAS_PREFIX": prefix}
+        r = resources(pd._paged_decode_kernel, dict(split_sig), consts, warps, unaligned=scalars)
+        name = f"split kernel, {heads} KV head{'s' if heads > 1 else ''} a program, one split" + (
+            ", after a shared prefix" if prefix else "")
+        print(f"{name:72s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
     for rows in (16, 32, 64):
         for warps in (4, 8):
             consts = {**shape, "REP": 4, "REP_P": 4, "MB": rows // 4, "GROUP": pd.PREFIX_GROUP, "NUM_SPLITS": 1,
                       "PRE_SPLITS": 2, "SLOTS": 3}
             r = resources(pd._shared_prefix_kernel, dict(prefix_sig), consts, warps, unaligned=("stride_bt",))
             name = f"prefix kernel, {rows} query heads a program"
-            print(f"{name:56s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
+            print(f"{name:72s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
 
 
 if __name__ == "__main__":

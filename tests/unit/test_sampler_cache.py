@@ -65,7 +65,7 @@ def test_paged_decode_triton_kernel_matches_reference():
     sequence, merge kernel) against the reference, under Triton's interpreter: empty, 1-token,
     page-boundary and multi-block/multi-split lengths, pages of 4 and 16, windows shorter and
     longer than the sequences, GQA groups of 1, 3, 4 and 8, Dv != D and head dims that are not
-    powers of two."""
+    powers of two; one KV head a program and several."""
     pytest.importorskip("triton")
     script = textwrap.dedent(
         """
@@ -73,7 +73,7 @@ def test_paged_decode_triton_kernel_matches_reference():
         from tests.triton_interp import patch_interpreter
         patch_interpreter()
 
-        from ember.core.kernels import fused
+        from ember.core.kernels import fused, paged_decode
         from ember.core.kernels.paged_decode import paged_decode_triton
         from ember.core.sampling.attention import paged_decode_attention, paged_decode_torch
         from tests.unit.test_sampler_cache import _paged_case
@@ -109,6 +109,12 @@ def test_paged_decode_triton_kernel_matches_reference():
         # GQA 8 with two KV heads, page 16; GQA 1 (MHA) with Dv > D
         check([1, 16, 33, 150], (0, 40), (None, 2), page=16, hq=16, hkv=2, d=16, dv=16)
         check([0, 3, 80, 200], (0, 9), (None,), page=4, hq=2, hkv=2, d=12, dv=32)
+        # several KV heads a program (forced: shapes this small choose one): 2 and 4 of 8 KV heads
+        # with GQA 4 (Qwen3-8B's), 4 a program of 3 KV heads (a group's last head past the end)
+        for heads in (2, 4):
+            paged_decode._DECODE_LAUNCH["heads"] = heads
+            check([0, 1, 16, 17, 64, 150], (0, 20), (None, 1, 3), page=16, hq=32, hkv=8, d=16, dv=16)
+            check([1, 7, 40, 0], (0,), (1, 2), page=4, hq=6, hkv=3, d=16, dv=12)
         print("ok")
         """
     )

@@ -54,27 +54,29 @@ if fused.HAVE_TRITON:
         return tl.where(sel_span > 0, tl.where(n > 0, sel_span, 0), n)
 
     @triton.jit
-    def _block_scores(q, k_base, bt_base, pos, valid, d, dmask, qk_scale, stride_kp, stride_ks,
+    def _block_scores(q, k_base, bt_base, pos, valid, k_off, d, dmask, qk_scale, stride_kp, stride_ks,
                       PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """The scores (base 2) of the queries ``q`` against the keys at positions ``pos`` (a block;
-        each token's page from the block table), and each token's page and slot."""
+        each token's page from the block table, ``k_off`` its head's offset), and each token's page
+        and slot."""
         page = tl.load(bt_base + pos // PAGE, mask=valid, other=0).to(tl.int64)
         slot = (pos % PAGE).to(tl.int64)
-        k_row = page * stride_kp + slot * stride_ks
+        k_row = page * stride_kp + slot * stride_ks + k_off
         k = tl.load(k_base + k_row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale, page, slot
 
     @triton.jit
-    def _softmax_step(scores, valid, page, slot, m, lsum, acc, v_base, dv, dvmask, stride_vp, stride_vs,
-                      DOT_PRECISION: tl.constexpr):
-        """The online softmax's step over one block of ``scores`` (invalid tokens masked): the
-        running max, sum and unnormalised output with the block's values added."""
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+    def _softmax_step(scores, visible, valid, page, slot, m, lsum, acc, v_base, v_off, dv, dvmask, stride_vp,
+                      stride_vs, DOT_PRECISION: tl.constexpr):
+        """The online softmax's step over one block of ``scores`` (only the ``visible`` ones count):
+        the running max, sum and unnormalised output with the block's values added (the ``valid``
+        tokens' rows of it, ``v_off`` their head's offset)."""
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp2(m - m_new)
         prob = tl.exp2(scores - m_new[:, None])
         lsum = lsum * alpha + tl.sum(prob, axis=1)
-        v_row = page * stride_vp + slot * stride_vs
+        v_row = page * stride_vp + slot * stride_vs + v_off
         v = tl.load(v_base + v_row[:, None] + dv[None, :], mask=valid[:, None] & dvmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=DOT_PRECISION)
         return m_new, lsum, acc
@@ -114,13 +116,17 @@ if fused.HAVE_TRITON:
         stride_sb,
         stride_selb,
         REP: tl.constexpr,
-        REP_PAD: tl.constexpr,
+        REP_P: tl.constexpr,
+        HEADS: tl.constexpr,
+        HKV: tl.constexpr,
+        M_PAD: tl.constexpr,
         D: tl.constexpr,
         D_PAD: tl.constexpr,
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
         PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PRE_BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         PRE_SPLITS: tl.constexpr,
         SLOTS: tl.constexpr,
@@ -131,9 +137,17 @@ if fused.HAVE_TRITON:
         HAS_PREFIX: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        """One program per (sequence, KV head, split): the split's share of the sequence's visible
-        tokens, BLOCK_N at a time (any number of pages: each token's page comes from the block
-        table), the group's REP query heads at once through tl.dot, online softmax in fp32 (base 2).
+        """One program per (sequence, HEADS of its KV heads, split): the split's share of the
+        sequence's visible tokens, BLOCK_N at a time (any number of pages: each token's page comes
+        from the block table), online softmax in fp32 (base 2).
+
+        The tile's rows are the query heads of the program's KV heads (``REP`` each, padded to
+        ``REP_P``; ``M_PAD`` rows, at least tl.dot's 16), its columns the block's tokens of each KV
+        head (``HEADS * BLOCK_N``): one ``tl.dot`` scores every query head against every key of
+        the block, and the scores of another head's keys are masked, so each program reads each
+        cached key once and the query heads of several KV heads fill the rows that one KV head's
+        few would leave as padding. Several heads a program make fewer, longer programs: a short
+        sequence's few blocks become one pipelined loop instead of a program's whole latency each.
 
         A sequence whose tokens fit one split (or NUM_SPLITS == 1) is finished here; otherwise each
         split leaves its unnormalised ``acc`` and its ``(m, l)`` in fp32 scratch for
@@ -147,15 +161,16 @@ if fused.HAVE_TRITON:
         complete block are visible, and only those are read: the program walks ``sel_span = (C + 1)
         · sel_block`` virtual tokens, the listed blocks' then the tail's, instead of the sequence.
         ``HAS_PREFIX``: the first ``PRE[b]`` tokens are a prefix shared with other rows, which
-        :func:`_shared_prefix_kernel` (the grid before this one) attended for all of them at once,
-        leaving partials in slots ``NUM_SPLITS ..`` of ``SLOTS`` per row and head; this program walks
-        the rest. With one split it starts from the prefix's partials and finishes the row; with
-        several, each split leaves its partial too and the combine kernel merges them all."""
+        :func:`_shared_prefix_kernel` (the grid before this one, ``PRE_BLOCK_N`` tokens a step)
+        attended for all of them at once, leaving partials in slots ``NUM_SPLITS ..`` of ``SLOTS``
+        per row and head; this program walks the rest. With one split it starts from the prefix's
+        partials and finishes the row; with several, each split leaves its partial too and the
+        combine kernel merges them all."""
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
         b = tl.program_id(0)
-        hk = tl.program_id(1)
+        group = tl.program_id(1)
         split = tl.program_id(2)
         n = tl.load(LENS + b)
         extent = _decode_extent(n, sel_span)
@@ -163,28 +178,35 @@ if fused.HAVE_TRITON:
         if HAS_PREFIX:
             pre = tl.load(PRE + b)
         start, first, nblk, per, active = _decode_split_range(extent, window, pre, BLOCK_N, NUM_SPLITS)
-        r = tl.arange(0, REP_PAD)
+        i = tl.arange(0, M_PAD)  # tile rows: (KV head of the program, query head of it)
+        hk = group * HEADS + i // REP_P
+        r = i % REP_P
+        rmask = (r < REP) & (i < HEADS * REP_P) & (hk < HKV)
+        heads = hk * REP + r
+        c = tl.arange(0, HEADS * BLOCK_N)  # tile columns: (KV head of the program, token of the block)
+        hk_c = group * HEADS + c // BLOCK_N
+        tok = c % BLOCK_N
+        cmask = hk_c < HKV
+        hk_c = tl.minimum(hk_c, HKV - 1).to(tl.int64)
+        k_off = hk_c * stride_kh
+        v_off = hk_c * stride_vh
+        own = (i // REP_P)[:, None] == (c // BLOCK_N)[None, :]  # a query head sees its own KV head's keys
         d = tl.arange(0, D_PAD)
         dv = tl.arange(0, DV_PAD)
-        tok = tl.arange(0, BLOCK_N)
-        rmask = r < REP
         dmask = d < D
         dvmask = dv < DV
-        heads = hk * REP + r
         q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr, mask=rmask[:, None] & dmask[None, :], other=0.0).to(K.dtype.element_ty)
-        k_base = K + hk * stride_kh
-        v_base = V + hk * stride_vh
         bt_base = BT + b.to(tl.int64) * stride_bt
-        m = tl.full([REP_PAD], -1e30, tl.float32)
-        lsum = tl.zeros([REP_PAD], tl.float32)
-        acc = tl.zeros([REP_PAD, DV_PAD], tl.float32)
+        m = tl.full([M_PAD], -1e30, tl.float32)
+        lsum = tl.zeros([M_PAD], tl.float32)
+        acc = tl.zeros([M_PAD, DV_PAD], tl.float32)
         if HAS_PREFIX and NUM_SPLITS == 1:  # continue the online softmax from the prefix's partials
-            _, _, _, _, shared = _decode_split_range(pre, 1 << 30, 0, BLOCK_N, PRE_SPLITS)
-            part = (b * (REP * tl.num_programs(1)) + heads).to(tl.int64) * SLOTS + NUM_SPLITS
+            _, _, _, _, shared = _decode_split_range(pre, 1 << 30, 0, PRE_BLOCK_N, PRE_SPLITS)
+            part = (b * (REP * HKV) + heads).to(tl.int64) * SLOTS + NUM_SPLITS
             for j in range(PRE_SPLITS):
                 # scalar conditions become row limits (the interpreter cannot AND a tensor and a scalar)
-                ok = r < tl.where((pre > 0) & (j < shared), REP, 0)
+                ok = rmask & (i < tl.where((pre > 0) & (j < shared), M_PAD, 0))
                 m_j = tl.load(ML + (part + j) * 2, mask=ok, other=-1e30)
                 l_j = tl.load(ML + (part + j) * 2 + 1, mask=ok, other=0.0)
                 acc_j = tl.load(ACC + (part + j)[:, None] * DV + dv[None, :], mask=ok[:, None] & dvmask[None, :],
@@ -199,7 +221,7 @@ if fused.HAVE_TRITON:
         blk1 = tl.minimum(blk0 + per, first + nblk)  # empty for splits past ``active``
         for blk in range(blk0, blk1):
             pos = blk * BLOCK_N + tok
-            valid = (pos < extent) & (pos >= start)
+            valid = (pos < extent) & (pos >= start) & cmask
             if HAS_SELECT:  # virtual token -> position: the listed blocks' tokens, then the tail's
                 listed = sel_span - sel_block
                 in_list = pos < listed
@@ -208,16 +230,17 @@ if fused.HAVE_TRITON:
                 pos = tl.where(in_list, chosen * sel_block + virtual % sel_block,
                                n // sel_block * sel_block + virtual - listed)
                 valid = valid & tl.where(in_list, chosen >= 0, pos < n)
-            scores, page, slot = _block_scores(q, k_base, bt_base, pos, valid, d, dmask, qk_scale, stride_kp,
-                                               stride_ks, PAGE, DOT_PRECISION)  # [REP_PAD, BLOCK_N]
+            scores, page, slot = _block_scores(q, K, bt_base, pos, valid, k_off, d, dmask, qk_scale, stride_kp,
+                                               stride_ks, PAGE, DOT_PRECISION)  # [M_PAD, HEADS * BLOCK_N]
+            visible = own & valid[None, :]
             if HAS_BIAS:
                 dist = n - 1 - pos
-                near = valid & (dist < rel_extent)
+                near = visible & (dist < rel_extent)[None, :]
                 p_ptr = P + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + dist[None, :]
-                bias = tl.load(p_ptr, mask=rmask[:, None] & near[None, :], other=0.0)
+                bias = tl.load(p_ptr, mask=rmask[:, None] & near, other=0.0)
                 scores += bias.to(tl.float32) * 1.4426950408889634  # base 2, as qk_scale
-            m, lsum, acc = _softmax_step(scores, valid, page, slot, m, lsum, acc, v_base, dv, dvmask, stride_vp,
-                                         stride_vs, DOT_PRECISION)
+            m, lsum, acc = _softmax_step(scores, visible, valid, page, slot, m, lsum, acc, V, v_off, dv, dvmask,
+                                         stride_vp, stride_vs, DOT_PRECISION)
         o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
         if HAS_SINK:  # the finished output's softmax has the sink's term too (partials: the combine)
             sink = tl.load(SINK + b * stride_sb + heads, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -232,10 +255,10 @@ if fused.HAVE_TRITON:
             if HAS_PREFIX:
                 merged = merged | (pre > 0)
             # scalar conditions become row limits (Triton's interpreter cannot AND a tensor and a scalar)
-            done = tl.where(merged, 0, tl.where(split == 0, REP, 0))  # finished by this program
-            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=(r < done)[:, None] & dvmask[None, :])
-            part = r < tl.where(merged, tl.where(split < active, REP, 0), 0)  # a partial to merge
-            row = (b * (REP * tl.num_programs(1)) + heads).to(tl.int64) * SLOTS + split  # [B, Hq, SLOTS]
+            done = rmask & (i < tl.where(merged, 0, tl.where(split == 0, M_PAD, 0)))  # finished by this program
+            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=done[:, None] & dvmask[None, :])
+            part = rmask & (i < tl.where(merged, tl.where(split < active, M_PAD, 0), 0))  # a partial to merge
+            row = (b * (REP * HKV) + heads).to(tl.int64) * SLOTS + split  # [B, Hq, SLOTS]
             tl.store(ACC + row[:, None] * DV + dv[None, :], acc, mask=part[:, None] & dvmask[None, :])
             tl.store(ML + row * 2, m, mask=part)
             tl.store(ML + row * 2 + 1, lsum, mask=part)
@@ -256,6 +279,7 @@ if fused.HAVE_TRITON:
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PRE_BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         PRE_SPLITS: tl.constexpr,
         SLOTS: tl.constexpr,
@@ -280,7 +304,7 @@ if fused.HAVE_TRITON:
         shared = 0  # the prefix's partials, in slots NUM_SPLITS .. NUM_SPLITS + shared - 1
         merged = active > 1
         if HAS_PREFIX:
-            _, _, _, _, shared = _decode_split_range(pre, 1 << 30, 0, BLOCK_N, PRE_SPLITS)
+            _, _, _, _, shared = _decode_split_range(pre, 1 << 30, 0, PRE_BLOCK_N, PRE_SPLITS)
             shared = tl.where(pre > 0, shared, 0)
             merged = merged | (pre > 0)
         if merged:
@@ -340,7 +364,7 @@ if fused.HAVE_TRITON:
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
         PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        PRE_BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         PRE_SPLITS: tl.constexpr,
         SLOTS: tl.constexpr,
@@ -368,7 +392,7 @@ if fused.HAVE_TRITON:
         leader = tl.load(mem_base)
         # an empty chunk (or group) walks nothing: members fill a group's columns from the first
         n = tl.where(tl.load(mem_base + chunk * MB) >= 0, tl.load(PRE + tl.maximum(leader, 0)), 0)
-        _, first, nblk, per, active = _decode_split_range(n, 1 << 30, 0, BLOCK_N, PRE_SPLITS)
+        _, first, nblk, per, active = _decode_split_range(n, 1 << 30, 0, PRE_BLOCK_N, PRE_SPLITS)
         i = tl.arange(0, MB * REP_P)
         r = i % REP_P
         row = tl.load(mem_base + chunk * MB + i // REP_P)
@@ -376,7 +400,7 @@ if fused.HAVE_TRITON:
         row = tl.maximum(row, 0).to(tl.int64)
         d = tl.arange(0, D_PAD)
         dv = tl.arange(0, DV_PAD)
-        tok = tl.arange(0, BLOCK_N)
+        tok = tl.arange(0, PRE_BLOCK_N)
         dmask = d < D
         dvmask = dv < DV
         heads = hk * REP + r
@@ -391,12 +415,12 @@ if fused.HAVE_TRITON:
         blk0 = first + split * per
         blk1 = tl.minimum(blk0 + per, first + nblk)  # empty for splits past ``active``
         for blk in range(blk0, blk1):
-            pos = blk * BLOCK_N + tok
+            pos = blk * PRE_BLOCK_N + tok
             valid = pos < n
-            scores, page, slot = _block_scores(q, k_base, bt_base, pos, valid, d, dmask, qk_scale, stride_kp,
-                                               stride_ks, PAGE, DOT_PRECISION)  # [MB * REP_P, BLOCK_N]
-            m, lsum, acc = _softmax_step(scores, valid, page, slot, m, lsum, acc, v_base, dv, dvmask, stride_vp,
-                                         stride_vs, DOT_PRECISION)
+            scores, page, slot = _block_scores(q, k_base, bt_base, pos, valid, 0, d, dmask, qk_scale, stride_kp,
+                                               stride_ks, PAGE, DOT_PRECISION)  # [MB * REP_P, PRE_BLOCK_N]
+            m, lsum, acc = _softmax_step(scores, valid[None, :], valid, page, slot, m, lsum, acc, v_base, 0, dv,
+                                         dvmask, stride_vp, stride_vs, DOT_PRECISION)
         # scalar conditions become row limits (Triton's interpreter cannot AND a tensor and a scalar)
         keep = live & (i < tl.where((n > 0) & (split < active), MB * REP_P, 0))
         out_row = (row * (REP * tl.num_programs(1)) + heads) * SLOTS + NUM_SPLITS + split  # [B, Hq, SLOTS]
@@ -411,7 +435,9 @@ def _pow2(n: int) -> int:
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
-_DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}  # of the split kernel
+# the split kernel's launch; ``heads``: KV heads a program takes, None to choose by the shapes
+# (:func:`_decode_heads`; module-level so ``bench/gpu_checks.py paged_decode --sweep`` can sweep it)
+_DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2, "heads": None}
 PREFIX_GROUP = 16  # rows a prefix group lists (a larger group is listed as several)
 # the prefix kernel's launch: query heads a program takes (MB rows of the group times their REP) and
 # warps/stages (module-level so ``bench/gpu_checks.py shared_prefix_decode --sweep`` can sweep them;
@@ -427,14 +453,30 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _decode_block_n(d_pad: int, dv_pad: int) -> int:
-    """Tokens per iteration: 64 for head dims up to 128, fewer for wider heads (register budget)."""
+    """Keys per iteration (of all a program's KV heads together): 64 for head dims up to 128, fewer
+    for wider heads (register budget)."""
     widest = max(d_pad, dv_pad)
     return 64 if widest <= 128 else 32 if widest <= 256 else 16
 
 
+def _decode_heads(batch: int, kv_heads: int, rep: int, cols: int, device: torch.device) -> int:
+    """KV heads a split-kernel program takes (a power of two): enough that their query heads fill
+    the tile's 16 rows (``16 // rep``; at most ``cols // 16``, so each head keeps 16 of a step's
+    ``cols`` keys), as long as the (sequence, head group) pairs still fill a wave of ~4 programs per
+    SM on their own. Where they would not, fewer heads a program keep the grid full without
+    splitting the sequences (a split costs a merge)."""
+    if _DECODE_LAUNCH["heads"]:
+        return max(1, min(_DECODE_LAUNCH["heads"], _pow2(kv_heads)))
+    heads = 1
+    most = min(cols // 16, 16 // _pow2(rep), kv_heads)
+    while heads * 2 <= most and batch * -(-kv_heads // (heads * 2)) >= 4 * _sm_count(device):
+        heads *= 2
+    return heads
+
+
 def _decode_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
     """Splits of the sequence axis: as many as keep the grid within one wave of ~4 programs per SM
-    (none once ``batch * kv_heads`` fills that alone), at most one per two BLOCK_N blocks of the
+    (none once ``batch * kv_heads`` fills that alone; ``kv_heads``: a sequence's programs), at most one per two BLOCK_N blocks of the
     longest sequence the block table can describe. Depends only on shapes (CUDA graphs).
 
     Measured on an H200 (132 SMs; Hkv=8, D=128, bf16): with 512 or more (sequence, KV head) pairs a
@@ -485,11 +527,14 @@ def paged_decode_triton(
         return out
     q = q.contiguous()
     d_pad, dv_pad = max(16, _pow2(D)), max(16, _pow2(Dv))  # tl.dot needs >= 16 along each axis
-    block_n = _decode_block_n(d_pad, dv_pad)
+    cols = _decode_block_n(d_pad, dv_pad)  # keys a step; the prefix kernel's tokens a step
+    heads = _decode_heads(B, Hkv, rep, cols, q.device)
+    block_n = max(1, cols // heads)  # each KV head's tokens a step of the split kernel
+    groups = -(-Hkv // heads)
     sel_span = (selected.shape[1] + 1) * int(select_block) if selected is not None else 0
     if num_splits is None:
         longest = sel_span or block_table.shape[1] * page
-        num_splits = _decode_num_splits(B, Hkv, longest, block_n, q.device)
+        num_splits = _decode_num_splits(B, groups, longest, block_n, q.device)
     num_splits = max(1, int(num_splits))
     pre_splits = mb = 0
     if prefix is not None:
@@ -499,7 +544,7 @@ def paged_decode_triton(
         if mb < 2:
             prefix = None  # one row a program (many query heads a KV head): nothing read once for several
     if prefix is not None:
-        pre_splits = _decode_num_splits(max(1, B // PREFIX_GROUP), Hkv, block_table.shape[1] * page, block_n, q.device)
+        pre_splits = _decode_num_splits(max(1, B // PREFIX_GROUP), Hkv, block_table.shape[1] * page, cols, q.device)
     slots = num_splits + pre_splits
     if slots > 1:
         acc = torch.empty(B, Hq, slots, Dv, dtype=torch.float32, device=q.device)
@@ -515,7 +560,7 @@ def paged_decode_triton(
     S = sinks if sinks is not None else out
     C = selected if selected is not None else out
     pre, members = prefix if prefix is not None else (out, out)
-    launch = {"D": D, "D_PAD": d_pad, "DV": Dv, "DV_PAD": dv_pad, "PAGE": page, "BLOCK_N": block_n,
+    launch = {"D": D, "D_PAD": d_pad, "DV": Dv, "DV_PAD": dv_pad, "PAGE": page, "PRE_BLOCK_N": cols,
               "NUM_SPLITS": num_splits, "PRE_SPLITS": max(pre_splits, 1), "SLOTS": slots,
               "DOT_PRECISION": "ieee" if k_pages.dtype == torch.float32 else "tf32"}
     if prefix is not None and members.shape[0]:
@@ -530,7 +575,7 @@ def paged_decode_triton(
             num_warps=_PREFIX_LAUNCH["num_warps"], num_stages=_PREFIX_LAUNCH["num_stages"],
             **launch, **pdl.options(),
         )
-    _paged_decode_kernel[(B, Hkv, num_splits)](
+    _paged_decode_kernel[(B, groups, num_splits)](
         q,
         k_pages,
         v_pages,
@@ -564,13 +609,18 @@ def paged_decode_triton(
         S.stride(0),
         C.stride(0),
         REP=rep,
-        REP_PAD=max(16, _pow2(rep)),
+        REP_P=_pow2(rep),
+        HEADS=heads,
+        HKV=Hkv,
+        M_PAD=max(16, heads * _pow2(rep)),
+        BLOCK_N=block_n,
         HAS_BIAS=profiles is not None,
         HAS_SINK=sinks is not None,
         HAS_SELECT=selected is not None,
         HAS_PREFIX=prefix is not None,
         **launch,
-        **_DECODE_LAUNCH,
+        num_warps=_DECODE_LAUNCH["num_warps"],
+        num_stages=_DECODE_LAUNCH["num_stages"],
         **pdl.options(),
     )
     if num_splits > 1:
@@ -589,6 +639,7 @@ def paged_decode_triton(
             DV=Dv,
             DV_PAD=dv_pad,
             BLOCK_N=block_n,
+            PRE_BLOCK_N=cols,
             NUM_SPLITS=num_splits,
             PRE_SPLITS=max(pre_splits, 1),
             SLOTS=slots,

@@ -186,8 +186,7 @@ if fused.HAVE_TRITON:
         c = tl.arange(0, HEADS * BLOCK_N)  # tile columns: (KV head of the program, token of the block)
         hk_c = group * HEADS + c // BLOCK_N
         tok = c % BLOCK_N
-        cmask = hk_c < HKV
-        hk_c = tl.minimum(hk_c, HKV - 1).to(tl.int64)
+        hk_c = tl.minimum(hk_c, HKV - 1).to(tl.int64)  # a head past the last is read but seen by no row
         k_off = hk_c * stride_kh
         v_off = hk_c * stride_vh
         own = (i // REP_P)[:, None] == (c // BLOCK_N)[None, :]  # a query head sees its own KV head's keys
@@ -221,11 +220,13 @@ if fused.HAVE_TRITON:
         blk1 = tl.minimum(blk0 + per, first + nblk)  # empty for splits past ``active``
         for blk in range(blk0, blk1):
             pos = blk * BLOCK_N + tok
-            valid = (pos < extent) & (pos >= start) & cmask
+            valid = (pos < extent) & (pos >= start)
             if HAS_SELECT:  # virtual token -> position: the listed blocks' tokens, then the tail's
                 listed = sel_span - sel_block
                 in_list = pos < listed
-                chosen = tl.load(SEL + b.to(tl.int64) * stride_selb + pos // sel_block, mask=valid & in_list, other=-1)
+                # int32: Triton 3.6 fails to compile this loop (RemoveLayoutConversions) with int64 positions
+                chosen = tl.load(SEL + b.to(tl.int64) * stride_selb + pos // sel_block, mask=valid & in_list,
+                                 other=-1).to(tl.int32)
                 virtual = pos
                 pos = tl.where(in_list, chosen * sel_block + virtual % sel_block,
                                n // sel_block * sel_block + virtual - listed)
@@ -462,14 +463,18 @@ def _decode_block_n(d_pad: int, dv_pad: int) -> int:
 def _decode_heads(batch: int, kv_heads: int, rep: int, cols: int, device: torch.device) -> int:
     """KV heads a split-kernel program takes (a power of two): enough that their query heads fill
     the tile's 16 rows (``16 // rep``; at most ``cols // 16``, so each head keeps 16 of a step's
-    ``cols`` keys), as long as the (sequence, head group) pairs still fill a wave of ~4 programs per
-    SM on their own. Where they would not, fewer heads a program keep the grid full without
-    splitting the sequences (a split costs a merge)."""
+    ``cols`` keys), as long as the (sequence, head group) pairs still make 3 programs per SM on
+    their own. Where they would not, fewer heads a program keep the grid full without splitting the
+    sequences (a split costs a merge).
+
+    Measured on an H100 (Hq=32, Hkv=8, D=128, bf16; ``gpu_checks.py paged_decode --sweep``): at 256
+    sequences 4 heads a program (512 programs) were 1-6 % faster than one; at 64 sequences one head
+    was 4-25 % faster than 2 or 4 with the splits they need; at one sequence, within noise."""
     if _DECODE_LAUNCH["heads"]:
         return max(1, min(_DECODE_LAUNCH["heads"], _pow2(kv_heads)))
     heads = 1
     most = min(cols // 16, 16 // _pow2(rep), kv_heads)
-    while heads * 2 <= most and batch * -(-kv_heads // (heads * 2)) >= 4 * _sm_count(device):
+    while heads * 2 <= most and batch * -(-kv_heads // (heads * 2)) >= 3 * _sm_count(device):
         heads *= 2
     return heads
 

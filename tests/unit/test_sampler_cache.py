@@ -121,6 +121,27 @@ def test_paged_decode_triton_kernel_matches_reference():
     assert "ok" in run_interpreted(script, timeout=300)
 
 
+def test_decode_heads_choice():
+    """KV heads a split-kernel program takes: enough to fill the tile's 16 rows with query heads, as
+    long as the programs still make 3 an SM (132 SMs on the CPU) without splits; at most 16 keys a
+    head of a step's 64 (32 for heads wider than 128: two heads at most); forced by the launch."""
+    from ember.core.kernels import paged_decode
+    from ember.core.kernels.paged_decode import _decode_heads
+
+    cpu = torch.device("cpu")
+    assert [_decode_heads(b, 8, 4, 64, cpu) for b in (1, 64, 98, 99, 197, 198, 256, 512)] == [1, 1, 1, 2, 2, 4, 4, 4]
+    assert _decode_heads(512, 8, 8, 64, cpu) == 2  # GQA 8: two heads fill 16 rows
+    assert _decode_heads(512, 8, 16, 64, cpu) == 1
+    assert _decode_heads(512, 8, 1, 64, cpu) == 4  # MHA: 16 keys a head of 64
+    assert _decode_heads(512, 8, 2, 32, cpu) == 2  # wide heads: 32 keys a step
+    assert _decode_heads(512, 2, 1, 64, cpu) == 2  # no more heads than the model has
+    paged_decode._DECODE_LAUNCH["heads"] = 4
+    try:
+        assert _decode_heads(1, 8, 4, 64, cpu) == 4 and _decode_heads(1, 3, 4, 64, cpu) == 4
+    finally:
+        paged_decode._DECODE_LAUNCH["heads"] = None
+
+
 def _shared_case(groups, page=4, hq=8, hkv=2, d=16, dv=16, seed=0, extra_columns=3):
     """Rows whose block tables begin with shared pages, as the prefix cache and forks leave them:
     ``groups`` lists ``(shared tokens, [each row's own tokens after them])`` (shared: whole pages);

@@ -1124,21 +1124,26 @@ def check_swiglu_lora() -> None:
         t_one = graph_us([lambda a=a: one(*a) for a in stacks], iters=10) * layers
         print(f"  {N} rows over {busy} adapter(s), 36 layers: one kernel {t_one:.0f} us per step, "
               f"the three kernels (with h zeroing) {t_three:.0f} us")
-        # the launch shapes (rows a block, intermediate columns a program), against the default
+        # the launch shapes (rows a block, intermediate columns a program, columns a step, warps), against the
+        # default
         default = swiglu_config(N)
-        for cfg in itertools.product((16, 32, 64), (64, 128, 256)):
+        shapes = [(m, k, k, 8) for m, k in itertools.product((16, 32, 64), (64, 128, 256))]
+        shapes += [(m, k, c, w) for (m, k, c), w in itertools.product(
+            ((32, 256, 128), (32, 256, 64), (64, 256, 64), (32, 512, 128), (32, 512, 64)), (4, 8))]
+        for cfg in shapes:
             def one_cfg(gu, h_gu, B, A_d, h_d, cfg=cfg, offs=offs, n_rows=n_rows, active=active):
                 return swiglu_lora(gu, offs, active, n_rows, (h_gu, B), (A_d, h_d.zero_()), config=cfg)
             try:
                 act = one_cfg(gu, h_gu, B, A_d, h_d)
                 t = graph_us([lambda a=a: one_cfg(*a) for a in stacks], iters=10) * layers
             except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
-                print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}: failed, {type(e).__name__}: {e}")
+                print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}, CHUNK {cfg[2]:3d}, {cfg[3]} warps: failed, "
+                      f"{type(e).__name__}: {e}")
                 continue
             report(f"swiglu_lora {N} rows {cfg}, act vs the three kernels", rel(act, want_act), 1e-2)
             report(f"swiglu_lora {N} rows {cfg}, h_down vs the three kernels", rel(h_d, want_h), 1e-3)
             mark = "  (default)" if cfg == default else ""
-            print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}: {t:6.0f} us per step{mark}")
+            print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}, CHUNK {cfg[2]:3d}, {cfg[3]} warps: {t:6.0f} us per step{mark}")
 
 
 def check_sampling() -> None:

@@ -69,13 +69,15 @@ SCRIPT = textwrap.dedent(
             B, A_d = stacks(len(sizes), I, 64, R, RD, dtype)
             gu = randn(N, 2 * I).to(dtype)
             h_gu = randn(N, 2 * R)
-            for parts in ("both", "gate_up", "down"):
+            # the default launch, and 64-column programs in 32-column steps (a row block's partials
+            # summed over steps and groups before the one atomic add)
+            for parts, config in (("both", None), ("gate_up", None), ("down", None), ("both", (16, 64, 32, 4))):
                 Bp = B if parts != "down" else None
                 Ap = A_d if parts != "gate_up" else None
                 want_act, want_h = unfused(gu, h_gu, Bp, Ap, offs, n_rows, active)
                 h_d = torch.zeros(N, RD)
                 act = swiglu_lora(gu, offs, active, n_rows, (h_gu, Bp) if Bp is not None else None,
-                                  (Ap, h_d) if Ap is not None else None)
+                                  (Ap, h_d) if Ap is not None else None, config=config)
                 assert act.dtype == dtype and act.shape == (N, I)
                 err = rel(act, want_act)
                 assert err <= tol, (dtype, sizes, parts, "act", err)

@@ -1,12 +1,13 @@
 """Decode attention over the paged KV cache in Triton (flash-decoding), with cascade attention for
 prefixes that several rows share.
 
-* :func:`paged_decode_triton`: programs per (sequence, KV head, split of the sequence) walk 64
-  tokens at a time across pages with an online softmax, all query heads of the KV head's group in
-  one ``tl.dot``, reading each cached key once; a second small kernel merges the splits. Grid and
-  scratch depend only on shapes (batch, heads, block-table width), so a decode step can be
-  captured in a CUDA graph. Options: Inkling-2's relative bias and sinks, a sliding window, a QSA
-  block selection (only the chosen blocks and the tail are read).
+* :func:`paged_decode_triton`: programs per (sequence, group of KV heads, split of the sequence)
+  walk 64 keys at a time across pages with an online softmax, the query heads of the group's KV
+  heads in one ``tl.dot`` (another head's keys masked), reading each cached key once; a second
+  small kernel merges the splits. Grid and scratch depend only on shapes (batch, heads,
+  block-table width), so a decode step can be captured in a CUDA graph. Options: Inkling-2's
+  relative bias and sinks, a sliding window, a QSA block selection (only the chosen blocks and
+  the tail are read).
 * ``prefix`` (cascade attention): rows that share their first tokens' pages (the prefix index's or
   a fork's: an RL group's samples) are listed in groups
   (:func:`ember.core.sampling.attention.shared_prefix_groups`); a first kernel attends each group's

@@ -1,13 +1,20 @@
-"""Registers, local memory (spills), shared memory and software pipelining of the paged decode
-kernels, compiled for sm_90a (Hopper) on this machine: no GPU is needed, only Triton's CUDA tool
-chain (it ships ``cuobjdump``). A register count at the 255 limit with a stack means spills; at 4
-warps, 255 registers a thread leave room for two programs an SM. ``async`` counts the loads Triton
-turned into asynchronous copies (what its software pipelining of a loop issues, ``num_stages``):
-0 means each block's loads are waited for in its own iteration.
+"""Registers, local memory (spills), shared memory and software pipelining of the decode kernels
+(paged attention, the SwiGLU LoRA kernel), compiled for sm_90a (Hopper) on this machine: no GPU is
+needed, only Triton's CUDA tool chain (it ships ``cuobjdump``). A register count at the 255 limit
+with a stack means spills; at 4 warps, 255 registers a thread leave room for two programs an SM
+(65,536 registers an SM). ``async`` counts the loads Triton turned into asynchronous copies (what
+its software pipelining of a loop issues, ``num_stages``): 0 means each block's loads are waited
+for in its own iteration.
 
-    python bench/kernel_resources.py            # Qwen3-8B's decode shapes (Hq=32, Hkv=8, D=128)
+    python bench/kernel_resources.py               # Qwen3-8B's decode shapes (Hq=32, Hkv=8, D=128)
+    python bench/kernel_resources.py --variants    # compile every variant of the split kernel
 
-The numbers are those of the local Triton, which may differ from the GPU machine's version.
+The numbers are those of the installed Triton. The GPU machine's version may compile differently
+or fail where this one does not (a Triton 3.6 failure in the QSA variant was found that way), so
+check with its version beside this one:
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 python bench/kernel_resources.py --variants
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import itertools
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -55,11 +63,18 @@ def _strides(*names: str) -> dict:
     return {n: "i32" for n in names}
 
 
+ROW = "{:72s} {:5d} {:5d} {:10d} {:11d} {:6d}"
+
+
+def _row(name: str, warps: int, r: dict) -> str:
+    return ROW.format(name, warps, r["regs"], r["stack"], r["shared"], r["async"])
+
+
 def main() -> None:
     shape = {"D": 128, "D_PAD": 128, "DV": 128, "DV_PAD": 128, "PAGE": 16, "PRE_BLOCK_N": 64, "DOT_PRECISION": "tf32",
              "PDL": False}
     split_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "ACC": "*fp32", "ML": "*fp32", "BT": "*i32",
-                 "LENS": "*i32", "P": "*bf16", "SINK": "*bf16", "SEL": "*i32", "PRE": "*i32", "qk_scale": "fp32",
+                 "LENS": "*i32", "P": "*bf16", "SINK": "*bf16", "SEL": "*i64", "PRE": "*i32", "qk_scale": "fp32",
                  "window": "i32", "rel_extent": "i32", "sel_block": "i32", "sel_span": "i32",
                  **_strides("stride_qb", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
                             "stride_vh", "stride_ob", "stride_oh", "stride_bt", "stride_pb", "stride_ph", "stride_sb",
@@ -71,7 +86,8 @@ def main() -> None:
     # a block table's width is any number of pages; lengths and windows any number of tokens
     scalars = ("stride_bt", "stride_selb", "window", "rel_extent", "sel_block", "sel_span")
     print(f"triton {triton.__version__}")
-    print(f"{'kernel (Hq=32 Hkv=8 D=128 bf16, pages of 16)':72s} warps  regs  stack (B)  shared (B)  async")
+    print(f"{'kernel (Hq=32 Hkv=8 D=128 bf16, pages of 16; SwiGLU: intermediate columns)':72s} warps  regs  "
+          "stack (B)  shared (B)  async")
     for prefix, heads, warps in itertools.product((False, True), (1, 2, 4), (4, 8)):
         consts = {**shape, "REP": 4, "REP_P": 4, "HEADS": heads, "HKV": 8, "M_PAD": max(16, 4 * heads),
                   "BLOCK_N": 64 // heads, "NUM_SPLITS": 1, "PRE_SPLITS": 2, "SLOTS": 3 if prefix else 1,
@@ -79,14 +95,55 @@ def main() -> None:
         r = resources(pd._paged_decode_kernel, dict(split_sig), consts, warps, unaligned=scalars)
         name = f"split kernel, {heads} KV head{'s' if heads > 1 else ''} a program, one split" + (
             ", after a shared prefix" if prefix else "")
-        print(f"{name:72s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
+        print(_row(name, warps, r))
     for rows in (16, 32, 64):
         for warps in (4, 8):
             consts = {**shape, "REP": 4, "REP_P": 4, "MB": rows // 4, "GROUP": pd.PREFIX_GROUP, "NUM_SPLITS": 1,
                       "PRE_SPLITS": 2, "SLOTS": 3}
             r = resources(pd._shared_prefix_kernel, dict(prefix_sig), consts, warps, unaligned=("stride_bt",))
             name = f"prefix kernel, {rows} query heads a program"
-            print(f"{name:72s} {warps:5d} {r['regs']:5d} {r['stack']:10d} {r['shared']:11d} {r['async']:6d}")
+            print(_row(name, warps, r))
+    swiglu()
+    if "--variants" in sys.argv:
+        variants(split_sig, scalars)
+
+
+def swiglu() -> None:
+    """The SwiGLU LoRA kernel at its launch shapes (``swiglu_config``'s and the check's sweep), rank 32."""
+    from ember.core.kernels import swiglu_decode as sw
+
+    sig = {"GU": "*bf16", "HGU": "*fp32", "BGU": "*bf16", "AD": "*bf16", "HD": "*fp32", "ACT": "*bf16",
+           "OFFS": "*i32", "ROWS": "*i32", "ACTIVE": "*i32", "N_ACTIVE": "*i32",
+           **_strides("stride_gu", "stride_hgu", "stride_bg", "stride_bo", "stride_ag", "stride_ar", "stride_hd",
+                      "stride_act"),
+           "N": "i32", "I": "i32", "R": "i32", "RD": "i32"}
+    for block_m, block_k, chunk, warps in ((32, 256, 256, 8), (32, 256, 128, 8), (32, 256, 64, 8),
+                                           (32, 256, 64, 4), (64, 256, 64, 8), (32, 512, 128, 8)):
+        consts = {"HAS_ROWS": True, "HAS_GU": True, "HAS_DOWN": True, "BLOCK_M": block_m, "BLOCK_K": block_k,
+                  "CHUNK": chunk, "R_PAD": 32, "RD_PAD": 32, "PREC": "tf32", "G_PAD": 16, "PDL": True}
+        r = resources(sw._swiglu_lora, dict(sig), consts, warps, num_stages=3, unaligned=("N", "R", "RD"))
+        print(_row(f"swiglu kernel, {block_m} rows x {block_k} columns, {chunk} a step", warps, r))
+
+
+def variants(split_sig: dict, scalars: tuple[str, ...]) -> None:
+    """Compile every variant of the split kernel a model can launch: KV heads a program, head dims 64
+    (MHA), 128 (GQA 4) and 256 (GQA 8), one split and several, the relative bias with sinks, the QSA
+    selection, the shared prefix. Raises on the first one that fails."""
+    count = 0
+    for (d, rep, hkv), heads, splits, extra in itertools.product(
+            ((64, 1, 4), (128, 4, 8), (256, 8, 2)), (1, 2, 4), (1, 4), ("", "bias", "select", "prefix")):
+        cols = pd._decode_block_n(d, d)
+        if heads > min(cols // 16, 16 // pd._pow2(rep), hkv):
+            continue  # never chosen (_decode_heads)
+        consts = {"D": d, "D_PAD": d, "DV": d, "DV_PAD": d, "PAGE": 16, "PRE_BLOCK_N": cols, "DOT_PRECISION": "tf32",
+                  "PDL": True, "REP": rep, "REP_P": pd._pow2(rep), "HEADS": heads, "HKV": hkv,
+                  "M_PAD": max(16, heads * pd._pow2(rep)), "BLOCK_N": cols // heads, "NUM_SPLITS": splits,
+                  "PRE_SPLITS": 2, "SLOTS": splits + (2 if extra == "prefix" else 0), "HAS_BIAS": extra == "bias",
+                  "HAS_SINK": extra == "bias", "HAS_SELECT": extra == "select", "HAS_PREFIX": extra == "prefix"}
+        r = resources(pd._paged_decode_kernel, dict(split_sig), consts, 4, unaligned=scalars)
+        print(_row(f"split kernel D={d} GQA {rep}, {heads} heads, {splits} splits {extra}", 4, r), flush=True)
+        count += 1
+    print(f"{count} variants compiled")
 
 
 if __name__ == "__main__":

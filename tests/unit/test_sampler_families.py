@@ -199,8 +199,8 @@ def test_relative_decode_over_pages_equals_dense(page):
 def _kernel_check(check: str, gather: str) -> None:
     """Run ``check(page, extra_columns=30)`` (a function of this module) in a fresh process under
     Triton's interpreter, with the PyTorch fallback ``gather`` of ``ember.core.sampling.attention``
-    made to fail (so the paged kernel must run): pages of 1, 4 and 16, then 1 and 3 splits, each
-    with one KV head a program and with both."""
+    made to fail (so the paged kernel must run): pages of 1, 4 and 16, then 1 and 3 splits, and 3
+    splits with both KV heads in one program."""
     pytest.importorskip("triton")
     script = textwrap.dedent(
         f"""
@@ -219,7 +219,8 @@ def _kernel_check(check: str, gather: str) -> None:
         for page in (1, 4, 16):
             check(page, extra_columns=30)
         from ember.core.kernels import paged_decode
-        for heads, splits in ((None, 1), (None, 3), (2, 1), (2, 3)):  # 2: both KV heads in one program
+        # 2 heads: both KV heads in one program (3 splits: short rows finish in one, long ones merge)
+        for heads, splits in ((None, 1), (None, 3), (2, 3)):
             paged_decode._DECODE_LAUNCH["heads"] = heads
             attention.paged_decode_triton = lambda *a, **kw: kernel(*a, **{{**kw, "num_splits": splits}})
             check(4, extra_columns=30)

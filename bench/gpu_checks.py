@@ -551,24 +551,9 @@ def check_paged_decode() -> None:
             report(f"paged decode {name}: empty rows are zero", 1.0, 0.0)
 
     def timed(sets) -> float:
-        """Seconds a call, 20 calls over the cache sets in turn captured in one CUDA graph."""
-        paged_decode_triton(*sets[0][:5], scale)  # compile outside the capture
-        torch.cuda.synchronize()
-        calls = 20
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                paged_decode_triton(*sets[i % len(sets)][:5], scale)
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        reps = 10
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / (reps * calls)
+        """Seconds a call: 20 calls over the cache sets in turn, in one CUDA graph (``graph_us``)."""
+        calls = [functools.partial(paged_decode_triton, *sets[i % len(sets)][:5], scale) for i in range(20)]
+        return graph_us(calls, iters=10) * 1e-6
 
     # KV heads a program: the shapes' choice, and with --sweep each one forced
     choices = (None, 1, 2, 4) if "--sweep" in sys.argv else (None,)

@@ -1131,68 +1131,6 @@ def check_swiglu_lora() -> None:
             print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}, CHUNK {cfg[2]:3d}, {cfg[3]} warps: {t:6.0f} us per step{mark}")
 
 
-def check_norm_shrink() -> None:
-    """The static decoder's norm-and-shrink kernel (``kernels.norm_shrink``: an RMSNorm, with or
-    without the residual add, and the LoRA shrink of the group that reads it) against the two
-    kernels it replaces, bf16, Qwen3-8B's width (4,096) with q/k/v's stacks (rank 3 × 32) after the
-    input norm and gate/up's (2 × 32) after the post-attention add: agreement, and the GPU time of
-    each over 36 layers' stacks in a CUDA graph, at 64 rows of one adapter and 256 rows of eight,
-    for the default launch and a sweep of launch shapes."""
-    from ember.core.kernels import fused
-    from ember.core.kernels import lora_decode as ld
-    from ember.core.kernels.norm_shrink import norm_shrink, norm_shrink_config
-
-    K, layers = 4096, 36
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for N, busy in ((64, 1), (256, 8)):
-        G = busy + 1
-        counts = torch.zeros(G, dtype=torch.long)
-        counts[1:] = N // busy
-        offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
-        n_rows = torch.tensor([N], dtype=torch.int32, device="cuda")
-        active = ld.active_groups(offs, n_rows, skip_first=True)
-        for R, res in ((96, False), (64, True)):
-            data = []
-            for _ in range(layers):
-                A = (torch.randn(G, R, K, device="cuda", generator=gen) * K**-0.5).bfloat16()
-                A[0] = 0
-                x = torch.randn(N, K, device="cuda", generator=gen).bfloat16()
-                r = torch.randn(N, K, device="cuda", generator=gen).bfloat16() if res else None
-                w = (1 + 0.1 * torch.randn(K, device="cuda", generator=gen)).bfloat16()
-                data.append((x, r, w, A, torch.zeros(N, R, device="cuda")))
-
-            def two(x, r, w, A, h, offs=offs, n_rows=n_rows, active=active):
-                y = fused.add_rms_norm(x, r, w, 1e-6, False)[1] if r is not None else fused.RMSNormFn.apply(
-                    x, w, 1e-6, False)
-                ld.lora_shrink(y, A, offs, n_rows, True, out=h.zero_(), active=active)
-                return y
-
-            def one(x, r, w, A, h, cfg=None, offs=offs, n_rows=n_rows, active=active):
-                return norm_shrink(x, r, w, 1e-6, False, A, h.zero_(), offs, active, n_rows, config=cfg)[1]
-
-            x, r, w, A, h = data[0]
-            want_y = two(x, r, w, A, h)
-            want_h = h.clone()
-            name = f"norm_shrink {N} rows, rank {R}{', residual' if res else ''}"
-            t_two = graph_us([lambda a=a: two(*a) for a in data], iters=10) * layers
-            default = norm_shrink_config(N, K, R)
-            shapes = [(m, k, min(k, 128), w) for m, k, w in itertools.product((16, 32), (128, 256, 512, 1024), (4, 8))]
-            shapes = [default] + [c for c in shapes + [(16, 512, 64, 4), (16, 256, 64, 4)] if c != default]
-            for cfg in shapes:
-                try:
-                    y = one(x, r, w, A, h, cfg)
-                    t = graph_us([lambda a=a, cfg=cfg: one(*a, cfg) for a in data], iters=10) * layers
-                except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
-                    print(f"    {name} {cfg}: failed, {type(e).__name__}: {e}")
-                    continue
-                report(f"{name} {cfg}, y vs the norm kernel", rel(y, want_y), 1e-2)
-                report(f"{name} {cfg}, h vs the shrink kernel", rel(h, want_h), 1e-2)
-                mark = "  (default)" if cfg == default else ""
-                print(f"    {name}, BLOCK_M {cfg[0]:2d}, BLOCK_K {cfg[1]:4d}, CHUNK {cfg[2]:3d}, {cfg[3]} warps: "
-                      f"{t:6.0f} us per step "
-                      f"(the two kernels {t_two:.0f}){mark}")
-
-
 def check_sampling() -> None:
     """The Triton sampling kernel vs the fp64 PyTorch draw on [256, 151936] logits (temperatures
     0, 0.6, 1, 1.5; one uniform number per row): tokens must agree (up to a draw at a CDF boundary,
@@ -1498,7 +1436,6 @@ CHECKS = {
     "pdl_decode": lambda: check_pdl_decode(),
     "decode_gemm": lambda: check_decode_gemm_decode(),
     "swiglu_lora": lambda: check_swiglu_lora(),
-    "norm_shrink": lambda: check_norm_shrink(),
     "mixed": lambda: check_mixed(),
     "rebuild": lambda: check_rebuild(),
 }

@@ -104,7 +104,6 @@ def main() -> None:
             name = f"prefix kernel, {rows} query heads a program"
             print(_row(name, warps, r))
     swiglu()
-    norm_shrink()
     if "--variants" in sys.argv:
         variants(split_sig, scalars)
 
@@ -124,28 +123,6 @@ def swiglu() -> None:
                   "CHUNK": chunk, "R_PAD": 32, "RD_PAD": 32, "PREC": "tf32", "G_PAD": 16, "PDL": True}
         r = resources(sw._swiglu_lora, dict(sig), consts, warps, num_stages=3, unaligned=("N", "R", "RD"))
         print(_row(f"swiglu kernel, {block_m} rows x {block_k} columns, {chunk} a step", warps, r))
-
-
-def norm_shrink() -> None:
-    """The norm-and-shrink kernel at Qwen3-8B's width (4,096) for its two groups, q/k/v (rank 96, padded
-    to 128) and gate/up (64), with and without the residual, at ``norm_shrink_config``'s shapes and the
-    check's sweep."""
-    from ember.core.kernels import norm_shrink as ns
-
-    sig = {"X": "*bf16", "RES": "*bf16", "S": "*bf16", "W": "*bf16", "Y": "*bf16", "A": "*bf16", "H": "*fp32",
-           "OFFS": "*i32", "ROWS": "*i32", "ACTIVE": "*i32", "N_ACTIVE": "*i32",
-           **_strides("stride_x", "stride_r", "stride_s", "stride_y", "stride_ag", "stride_ar", "stride_h"),
-           "N": "i32", "K": "i32", "R": "i32", "eps": "fp32"}
-    for r_pad, res in ((128, False), (64, True)):
-        for rows in (64, 256):
-            block_m, *default = ns.norm_shrink_config(rows, 4096, r_pad)
-            for block_k, chunk, warps in (tuple(default), (256, 64, 4), (1024, 128, 8)):
-                consts = {"HAS_RES": res, "ZERO_CENTRED": False, "FP32_PRODUCT": False, "HAS_ROWS": True,
-                          "BLOCK_M": block_m, "BLOCK_K": block_k, "CHUNK": chunk, "SUM_K": 4096 // block_m,
-                          "R_PAD": r_pad, "G_PAD": 16, "PREC": "tf32", "PDL": True}
-                r = resources(ns._norm_shrink, dict(sig), consts, warps, unaligned=("N", "R"))
-                print(_row(f"norm+shrink, rank {r_pad}{', residual' if res else ''}, {block_m} rows x {block_k} "
-                           f"columns, {chunk} a step", warps, r))
 
 
 def variants(split_sig: dict, scalars: tuple[str, ...]) -> None:

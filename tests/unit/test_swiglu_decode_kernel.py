@@ -150,18 +150,16 @@ ENGINE_SCRIPT = textwrap.dedent(
     from tests.triton_interp import LaunchGrids, patch_interpreter
     patch_interpreter()
 
-    from ember.core.kernels import lora_decode, norm_shrink, swiglu_decode
+    from ember.core.kernels import lora_decode, swiglu_decode
     from ember.core.sampling import SamplerConfig
     from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, _worker, decoded, static_decode_requests
 
     swiglu = LaunchGrids(swiglu_decode, "_swiglu_lora")
     shrink = LaunchGrids(lora_decode, "_lora_shrink_kernel")
-    norms = LaunchGrids(norm_shrink, "_norm_shrink")
 
     worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True))
     results = worker.sample(static_decode_requests(worker, INTERPRETED_FIRST_TOKENS))
     assert swiglu.grids, "the static decoder never ran the SwiGLU kernel"
-    assert norms.grids, "the static decoder never ran the norm-and-shrink kernel"
     # the shrinks' programs per split follow the adapters with rows in the step, not the bank's
     # slots: one for the last steps (only one adapter's request still decoding), more while all
     # three decode side by side

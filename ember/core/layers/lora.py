@@ -168,14 +168,6 @@ class LoraRoute:
         decoder's route does): never here, each module is its own product."""
         return False
 
-    def norm(self, norm, x: torch.Tensor, r: torch.Tensor | None,
-             consumer: LoraLinear) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """``(x + r, RMSNorm(x + r))`` (``(None, RMSNorm(x))`` without ``r``) of ``norm`` (an
-        :class:`~ember.core.layers.norms.RMSNorm`) computed by the route together with the LoRA
-        shrink of ``consumer``, the first product that reads its output (the static decoder's does,
-        in one kernel): never here (None), the norm runs on its own."""
-        return None
-
     def swiglu(self, mlp, x: torch.Tensor) -> torch.Tensor | None:
         """A SwiGLU block's activation computed by the route (the static decoder's does, in one
         kernel with its LoRA work): never here, the block runs its three modules."""

@@ -121,20 +121,9 @@ class RMSNorm(nn.Module):
         self.zero_centred = zero_centred
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, lora=None, consumer=None) -> torch.Tensor:
-        """``RMSNorm(x)``. ``lora`` (a :class:`~ember.core.layers.lora.LoraRoute`) and ``consumer``
-        (the first :class:`~ember.core.layers.lora.LoraLinear` that reads the output): the route
-        may compute the consumer's LoRA shrink in the same pass (the static decoder's does)."""
-        if lora is not None and consumer is not None:
-            out = lora.norm(self, x, None, consumer)
-            if out is not None:
-                return out[1]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centred)
 
-    def add(self, x: torch.Tensor, r: torch.Tensor, lora=None, consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + r, self(x + r))`` (:func:`add_rms_norm`; ``lora``, ``consumer`` as in :meth:`forward`)."""
-        if lora is not None and consumer is not None:
-            out = lora.norm(self, x, r, consumer)
-            if out is not None:
-                return out
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + r, self(x + r))`` (:func:`add_rms_norm`)."""
         return add_rms_norm(x, r, self.weight, self.eps, self.zero_centred)

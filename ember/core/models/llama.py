@@ -62,10 +62,7 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # each norm names the first product that reads it: the route may run that product's LoRA
-        # shrink in the norm's pass (the static decoder's does)
-        attn = self.self_attn(self.input_layernorm(x, ctx.lora, self.self_attn.q_proj), ctx)
-        x, h = self.post_attention_layernorm.add(x, attn, ctx.lora, getattr(self.mlp, "gate_proj", None))
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), ctx))
         if isinstance(self.mlp, SparseMoE):
             return x + self.mlp(h, ctx.lora, ctx.routing)
         return x + self.mlp(h, ctx.lora)

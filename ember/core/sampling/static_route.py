@@ -27,7 +27,6 @@ from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import decode_gemm, fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
-from ember.core.kernels.norm_shrink import norm_shrink
 from ember.core.kernels.swiglu_decode import swiglu_lora
 from ember.core.layers.lora import LoraLinear, side_by_side
 from ember.core.models.base import CausalLM
@@ -413,27 +412,6 @@ class StaticRoute:
                     y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton, self.stacks.splits[key])
             self._y = (key, x, y)
         return self._y[2][:, start:end]
-
-    def norm(self, norm, x: torch.Tensor, r: torch.Tensor | None,
-             consumer: LoraLinear) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """``(x + r, RMSNorm(x + r))`` (``(None, RMSNorm(x))`` without ``r``) and the LoRA shrink of
-        ``consumer``'s packed group in one kernel (:func:`~ember.core.kernels.norm_shrink.norm_shrink`),
-        whose ``h`` the group's product then finds here. ``None`` where the norm runs on its own:
-        no packed group or no adapter on it, rows not 2-D, no kernels."""
-        if not self.lora or self.packed is None or x.dim() != 2 or torch.is_grad_enabled():
-            return None
-        if r is not None and (r.shape != x.shape or r.dtype != x.dtype or r.stride(-1) != 1):
-            return None
-        rows = self.packed.rows(consumer.lora_name, consumer.weight)
-        stacks = self.stacks.fused.get(rows[0]) if rows is not None else None
-        if stacks is None or x.stride(-1) != 1 or not self._triton(x, stacks[0], norm.weight):
-            return None
-        A = stacks[0]
-        h = self._zeros(x.shape[0], A.shape[1], x.device)
-        s, y = norm_shrink(x, r, norm.weight, norm.eps, norm.zero_centred, A, h, self.offsets, self.active,
-                           self.n_rows)
-        self._h = (rows[0], y, h)  # the group's shrink, done
-        return s, y
 
     def swiglu(self, mlp, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate(x)) · up(x)`` of a SwiGLU block (:class:`~ember.core.layers.mlp.SwiGLU`):

@@ -95,3 +95,28 @@ def test_bad_checkpoints_name_the_problem(hf_models, tmp_path):
             "expert": "model.layers.0.mlp.experts.3.up_proj.weight",
         }[case]
         assert expected in message, message
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_chained_without_gradients_equal_their_forwards(family, hf_models):
+    """Without gradients Llama-style layers are chained through ``step`` (each residual add done by
+    the next norm); the hidden states equal those of the layers' own ``forward`` (what runs with
+    gradients) bit for bit, and no layer's ``forward`` runs."""
+    from ember.core.layers.attention import PackedAttention
+    from ember.core.models.base import ForwardContext
+
+    hf, path = hf_models[family]
+    model = load_model(path, "cpu", torch.float32)
+    seq = torch.tensor(random_sequences(hf.config.vocab_size, [21], seed=5)[0])
+    attention = PackedAttention([len(seq)], torch.device("cpu"))
+    ctx = ForwardContext(positions=torch.arange(len(seq)), seq_lens=[len(seq)],
+                         attend=lambda layer, q, k, v, spec, scale: attention(q, k, v, spec, scale))
+    with torch.enable_grad():
+        want = model.hidden_states(seq, ctx)
+    calls = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        got = model.hidden_states(seq, ctx)
+    assert calls == []
+    assert torch.equal(got, want.detach())

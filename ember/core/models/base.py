@@ -127,11 +127,24 @@ class CausalLM(nn.Module):
         self.name_lora_modules()
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final-normed hidden states ``[T, H]``; by default embedding, each layer, final norm."""
+        """Final-normed hidden states ``[T, H]``; by default embedding, each layer, final norm.
+
+        Without gradients, layers that have a ``step`` (Llama's
+        :meth:`~ember.core.models.llama.DecoderLayer.step`) are chained through it: a layer's last
+        residual add is done by the next one's first norm, the last one's by the final norm (the
+        sampler's passes: one launch a layer fewer, the same values). With gradients each layer's
+        ``forward`` runs (what activation checkpointing wraps)."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+        layers = self.model.layers
+        chain = all(hasattr(layer, "step") for layer in layers) and hasattr(self.model.norm, "add")
+        if torch.is_grad_enabled() or not chain:
+            for layer in layers:
+                x = layer(x, ctx)
+            return self.model.norm(x)
+        r = None
+        for layer in layers:
+            x, r = layer.step(x, r, ctx)
+        return self.model.norm(x) if r is None else self.model.norm.add(x, r)[1]
 
     def moe_routers(self) -> dict[int, nn.Module]:
         """The router of each MoE layer, by layer index (what a :class:`RoutingRecord` records and

@@ -62,10 +62,19 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), ctx))
+        x, r = self.step(x, None, ctx)
+        return x + r
+
+    def step(self, x: torch.Tensor, r: torch.Tensor | None, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on input ``x + r`` (``r``: the previous layer's MLP output, not yet added; None:
+        ``x`` alone), as ``(x', r')`` whose sum is its output: each residual add happens in the norm
+        after it (:meth:`~ember.core.layers.norms.RMSNorm.add`, one kernel in the sampler's passes).
+        :meth:`~ember.core.models.base.CausalLM.hidden_states` chains layers this way."""
+        x, h = (x, self.input_layernorm(x)) if r is None else self.input_layernorm.add(x, r)
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, ctx))
         if isinstance(self.mlp, SparseMoE):
-            return x + self.mlp(h, ctx.lora, ctx.routing)
-        return x + self.mlp(h, ctx.lora)
+            return x, self.mlp(h, ctx.lora, ctx.routing)
+        return x, self.mlp(h, ctx.lora)
 
 
 class Decoder(nn.Module):

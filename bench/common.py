@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -625,6 +627,80 @@ def hardware_line() -> str:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+# nvidia-smi's clocks_throttle_reasons bits that mean power: the software power cap, the hardware power brake
+POWER_THROTTLE = 0x4 | 0x80
+
+
+def parse_gpu_samples(lines: list[str]) -> dict | None:
+    """The summary of ``nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active
+    --format=csv,noheader,nounits`` lines (one GPU): mean and lowest SM clock (MHz), mean and highest
+    power draw (W), and the share of samples the clocks were held down by power
+    (:data:`POWER_THROTTLE`). None without a sample."""
+    clocks, power, capped = [], [], 0
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3:
+            continue
+        try:
+            mhz, watts, reasons = float(parts[0]), float(parts[1]), int(parts[2], 16)
+        except ValueError:
+            continue
+        clocks.append(mhz)
+        power.append(watts)
+        capped += bool(reasons & POWER_THROTTLE)
+    if not clocks:
+        return None
+    return {"sm_mhz_mean": statistics.fmean(clocks), "sm_mhz_min": min(clocks), "power_w_mean": statistics.fmean(power),
+            "power_w_max": max(power), "power_capped_share": capped / len(clocks), "samples": len(clocks)}
+
+
+class GpuMonitor:
+    """SM clock, power draw and power-cap throttling of this process's GPU, sampled every
+    ``interval_ms`` by ``nvidia-smi`` while the block runs (:attr:`summary`, from
+    :func:`parse_gpu_samples`; None without a GPU or nvidia-smi). A decode step that ran at lower
+    clocks because the GPU reached its power limit (an H100 at 256 rows: 700 W, SM clocks 1.6-1.9
+    GHz instead of 1.98) is slower for a reason no kernel change shows."""
+
+    def __init__(self, interval_ms: int = 100):
+        self.interval_ms = interval_ms
+        self.summary: dict | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Self:
+        if not torch.cuda.is_available():
+            return self
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        gpu = visible if visible.isdigit() else str(torch.cuda.current_device())
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--id={gpu}", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", f"--loop-ms={self.interval_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.summary = parse_gpu_samples(out.splitlines())
+
+    @staticmethod
+    def line(summary: dict | None) -> str:
+        """``summary`` in a few words for a report line ('' for None)."""
+        if not summary:
+            return ""
+        return (f"SM {summary['sm_mhz_mean']:.0f} MHz (lowest {summary['sm_mhz_min']:.0f}), "
+                f"{summary['power_w_mean']:.0f} W (highest {summary['power_w_max']:.0f}), "
+                f"power-capped {100 * summary['power_capped_share']:.0f} % of {summary['samples']} samples")
 
 
 def ember_config(cfg: dict):

@@ -81,6 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
     SHAPES,
+    GpuMonitor,
     copy_bandwidth,
     decode_roofline_s,
     hardware_line,
@@ -148,8 +149,9 @@ def _timed(engine, reqs, rows: int, floor_bytes: float, before=None, roofline: b
     sync()
     engine.stats = EngineStats()
     t0 = time.perf_counter()
-    results = engine.generate(reqs)
-    sync()
+    with GpuMonitor() as gpu:  # clocks and power: whether the GPU's power limit held the run down
+        results = engine.generate(reqs)
+        sync()
     wall = time.perf_counter() - t0
     st = engine.stats
     tokens = sum(len(s.tokens) for r in results for s in r.sequences)
@@ -172,6 +174,7 @@ def _timed(engine, reqs, rows: int, floor_bytes: float, before=None, roofline: b
         "floor_bytes": floor_bytes,
         "static_decode": engine.static is not None,
         "cuda_graphs": bool(engine.static is not None and engine.static.use_graphs),
+        "gpu": gpu.summary,
     }
     out["step_vs_floor"] = out["decode_step_s"] / out["floor_step_s"]
     out["roofline_step_s"] = decode_roofline_s(engine.model, rows, floor_bytes) if roofline else float("nan")
@@ -564,6 +567,8 @@ def main() -> None:
                     f"  [wall: admission {r['admit_s']:.3f}s, prefill {r['prefill_s']:.3f}s in"
                     f" {r['prefill_passes']} passes, decode {r['decode_s']:.3f}s]"
                 )
+            if r.get("gpu"):
+                line += f"  [gpu: {GpuMonitor.line(r['gpu'])}]"
             if "longest_step_while_prefilling_s" in r:
                 line += (
                     f"  decode step {1e3 * r['decode_step_before_s']:.2f} ms before the long prompt, longest step "

@@ -104,8 +104,11 @@ def swiglu_config(n_rows: int) -> tuple[int, int, int, int]:
     times every shape; on an H100 (Qwen3-8B's MLP, 36 layers) this one took 363 µs a step at 64
     rows of one adapter and 1,043 µs at 256 rows of eight, against 374 and 1,153 µs for 64 × 128
     (fewer atomic adds into ``h_down``, and a row block rarely spans two adapters' rows). Compiled
-    for sm_90a (Triton 3.6) it takes 246 registers a thread, one program an SM; 64 columns a step
-    at 4 warps keep the atomic adds and take 212, two programs an SM (not yet measured)."""
+    for sm_90a (Triton 3.6) it takes 246 registers a thread, one program an SM. Walking the columns
+    in steps (fewer registers, two programs an SM at 4 warps) was slower on an H100 at every shape
+    tried (2026-12-07): 32 × 256 in 128-column steps 476 against 368 µs at 64 rows, 1,117 against
+    1,030 at 256 rows with 4 warps; 64-column steps 675-1,560. The loads of one step wait for the
+    step before, where one tile has them all in flight."""
     return max(16, min(32, _pow2(n_rows))), 256, 256, 8
 
 

@@ -64,7 +64,9 @@ def shard_modules(
     * then the decoder blocks one by one, bottom-up, over the ranks that hold the same dense
       weights (``parallel.dp_group``; FSDP2 leaves a submodule that is already sharded, the
       experts, to its own unit), then the model itself (the root: embedding, final norm, head),
-      with ``forward_methods`` for the methods that callers use instead of ``forward``;
+      with ``forward_methods`` for the methods that callers use instead of ``forward`` (a Llama
+      layer's ``step``, which passes without gradients chain instead of calling ``forward``:
+      :meth:`ember.core.models.base.CausalLM.hidden_states`);
     * ``mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and, for the optimizer
       off the GPU, ``offload_policy=CPUOffloadPolicy(pin_memory=True)`` with the process group
       backend ``"cpu:gloo,cuda:nccl"``.

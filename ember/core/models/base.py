@@ -133,7 +133,10 @@ class CausalLM(nn.Module):
         :meth:`~ember.core.models.llama.DecoderLayer.step`) are chained through it: a layer's last
         residual add is done by the next one's first norm, the last one's by the final norm (the
         sampler's passes: one launch a layer fewer, the same values). With gradients each layer's
-        ``forward`` runs (what activation checkpointing wraps)."""
+        ``forward`` runs (what activation checkpointing wraps). ``step`` is called instead of the
+        layer's ``forward``, so hooks on the layer module itself do not run for it: a layer sharded
+        by FSDP2 must register it as a forward method (``forward_methods`` of
+        :func:`ember.dist.fsdp.shard_modules`; today only the experts are sharded, below the layer)."""
         x = self.model.embed_tokens(input_ids)
         layers = self.model.layers
         chain = all(hasattr(layer, "step") for layer in layers) and hasattr(self.model.norm, "add")

@@ -671,8 +671,11 @@ class GpuMonitor:
     def __enter__(self) -> Self:
         if not torch.cuda.is_available():
             return self
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        gpu = visible if visible.isdigit() else str(torch.cuda.current_device())
+        # nvidia-smi numbers GPUs physically; CUDA_VISIBLE_DEVICES (indices or UUIDs, both taken by
+        # --id) maps torch's device numbers onto them
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        index = torch.cuda.current_device()
+        gpu = visible[index] if index < len(visible) else str(index)
         try:
             self._proc = subprocess.Popen(
                 ["nvidia-smi", f"--id={gpu}", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",

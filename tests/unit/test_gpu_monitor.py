@@ -34,3 +34,32 @@ def test_no_gpu_no_summary(monkeypatch):
     with GpuMonitor() as gpu:
         pass
     assert gpu.summary is None
+
+
+def test_the_process_gpu_is_watched(monkeypatch):
+    """torch's device 1 under ``CUDA_VISIBLE_DEVICES=GPU-a,GPU-b`` is nvidia-smi's ``GPU-b``; the
+    samples it prints become the summary."""
+    import torch
+
+    import bench.common as common
+
+    calls = []
+
+    class FakeSmi:
+        def __init__(self, argv, **kwargs):
+            calls.append(argv)
+
+        def terminate(self):
+            pass
+
+        def communicate(self, timeout=None):
+            return "1800, 690.0, 0x4\n1980, 600.0, 0x0\n", ""
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a, GPU-b")
+    monkeypatch.setattr(common.subprocess, "Popen", FakeSmi)
+    with GpuMonitor() as gpu:
+        pass
+    assert "--id=GPU-b" in calls[0]
+    assert gpu.summary["samples"] == 2 and gpu.summary["power_capped_share"] == 0.5

@@ -41,7 +41,7 @@ def test_the_process_gpu_is_watched(monkeypatch):
     samples it prints become the summary."""
     import torch
 
-    import bench.common as common
+    from bench import common
 
     calls = []
 

@@ -521,7 +521,7 @@ def check_paged_decode() -> None:
     KV heads a program takes are the shapes' choice (marked ``*``); ``--sweep`` times 1, 2 and 4
     as well."""
     from ember.core.kernels import paged_decode
-    from ember.core.kernels.paged_decode import _decode_block_n, _decode_heads, _decode_num_splits, paged_decode_triton
+    from ember.core.kernels.paged_decode import _decode_block_n, _decode_launch, paged_decode_triton
     from ember.core.sampling.attention import paged_decode_torch
 
     peak = 4.3e12  # H200 device-to-device copy (read + write), bytes/s; pure reads can pass it a little
@@ -569,9 +569,7 @@ def check_paged_decode() -> None:
                     paged_decode._DECODE_LAUNCH["heads"] = forced
                     if forced:
                         check(f"B={b} ctx={ctx} W={width} heads={forced}", q, kp, vp, table, lens)
-                    heads = _decode_heads(b, hkv, hq // hkv, _decode_block_n(d, d), q.device)
-                    splits = _decode_num_splits(b, -(-hkv // heads), width * page, _decode_block_n(d, d) // heads,
-                                                q.device)
+                    heads, _, splits = _decode_launch(b, hkv, hq // hkv, _decode_block_n(d, d), width * page, q.device)
                     sec = timed(sets)
                     print(
                         f"  B={b:4d} ctx={ctx:5d} W={width:5d} heads={heads}{'' if forced else '*'} splits={splits:2d}: "
@@ -1109,26 +1107,21 @@ def check_swiglu_lora() -> None:
         t_one = graph_us([lambda a=a: one(*a) for a in stacks], iters=10) * layers
         print(f"  {N} rows over {busy} adapter(s), 36 layers: one kernel {t_one:.0f} us per step, "
               f"the three kernels (with h zeroing) {t_three:.0f} us")
-        # the launch shapes (rows a block, intermediate columns a program, columns a step, warps), against the
-        # default
+        # the launch shapes (rows a block, intermediate columns a program), against the default
         default = swiglu_config(N)
-        shapes = [(m, k, k, 8) for m, k in itertools.product((16, 32, 64), (64, 128, 256))]
-        shapes += [(m, k, c, w) for (m, k, c), w in itertools.product(
-            ((32, 256, 128), (32, 256, 64), (64, 256, 64), (32, 512, 128), (32, 512, 64)), (4, 8))]
-        for cfg in shapes:
+        for cfg in itertools.product((16, 32, 64), (64, 128, 256, 512)):
             def one_cfg(gu, h_gu, B, A_d, h_d, cfg=cfg, offs=offs, n_rows=n_rows, active=active):
                 return swiglu_lora(gu, offs, active, n_rows, (h_gu, B), (A_d, h_d.zero_()), config=cfg)
             try:
                 act = one_cfg(gu, h_gu, B, A_d, h_d)
                 t = graph_us([lambda a=a: one_cfg(*a) for a in stacks], iters=10) * layers
             except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
-                print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}, CHUNK {cfg[2]:3d}, {cfg[3]} warps: failed, "
-                      f"{type(e).__name__}: {e}")
+                print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}: failed, {type(e).__name__}: {e}")
                 continue
             report(f"swiglu_lora {N} rows {cfg}, act vs the three kernels", rel(act, want_act), 1e-2)
             report(f"swiglu_lora {N} rows {cfg}, h_down vs the three kernels", rel(h_d, want_h), 1e-3)
             mark = "  (default)" if cfg == default else ""
-            print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}, CHUNK {cfg[2]:3d}, {cfg[3]} warps: {t:6.0f} us per step{mark}")
+            print(f"    BLOCK_M {cfg[0]:3d}, BLOCK_K {cfg[1]:3d}: {t:6.0f} us per step{mark}")
 
 
 def check_sampling() -> None:

@@ -109,7 +109,7 @@ def main() -> None:
 
 
 def swiglu() -> None:
-    """The SwiGLU LoRA kernel at its launch shapes (``swiglu_config``'s and the check's sweep), rank 32."""
+    """The SwiGLU LoRA kernel at ``swiglu_config``'s launch shapes and the check's wider ones, rank 32."""
     from ember.core.kernels import swiglu_decode as sw
 
     sig = {"GU": "*bf16", "HGU": "*fp32", "BGU": "*bf16", "AD": "*bf16", "HD": "*fp32", "ACT": "*bf16",
@@ -117,12 +117,11 @@ def swiglu() -> None:
            **_strides("stride_gu", "stride_hgu", "stride_bg", "stride_bo", "stride_ag", "stride_ar", "stride_hd",
                       "stride_act"),
            "N": "i32", "I": "i32", "R": "i32", "RD": "i32"}
-    for block_m, block_k, chunk, warps in ((32, 256, 256, 8), (32, 256, 128, 8), (32, 256, 64, 8),
-                                           (32, 256, 64, 4), (64, 256, 64, 8), (32, 512, 128, 8)):
+    for block_m, block_k in (sw.swiglu_config(64), (64, 256), (32, 512)):
         consts = {"HAS_ROWS": True, "HAS_GU": True, "HAS_DOWN": True, "BLOCK_M": block_m, "BLOCK_K": block_k,
-                  "CHUNK": chunk, "R_PAD": 32, "RD_PAD": 32, "PREC": "tf32", "G_PAD": 16, "PDL": True}
-        r = resources(sw._swiglu_lora, dict(sig), consts, warps, num_stages=3, unaligned=("N", "R", "RD"))
-        print(_row(f"swiglu kernel, {block_m} rows x {block_k} columns, {chunk} a step", warps, r))
+                  "R_PAD": 32, "RD_PAD": 32, "PREC": "tf32", "G_PAD": 16, "PDL": True}
+        r = resources(sw._swiglu_lora, dict(sig), consts, 8, num_stages=3, unaligned=("N", "R", "RD"))
+        print(_row(f"swiglu kernel, {block_m} rows x {block_k} columns", 8, r))
 
 
 def variants(split_sig: dict, scalars: tuple[str, ...]) -> None:

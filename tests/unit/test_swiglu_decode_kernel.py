@@ -69,9 +69,9 @@ SCRIPT = textwrap.dedent(
             B, A_d = stacks(len(sizes), I, 64, R, RD, dtype)
             gu = randn(N, 2 * I).to(dtype)
             h_gu = randn(N, 2 * R)
-            # the default launch, and 64-column programs in 32-column steps (a row block's partials
-            # summed over steps and groups before the one atomic add)
-            for parts, config in (("both", None), ("gate_up", None), ("down", None), ("both", (16, 64, 32, 4))):
+            # the default launch, and 16-row blocks of 64-column programs (more of a block's rows in
+            # several groups, whose partials are summed before the one atomic add)
+            for parts, config in (("both", None), ("gate_up", None), ("down", None), ("both", (16, 64))):
                 Bp = B if parts != "down" else None
                 Ap = A_d if parts != "gate_up" else None
                 want_act, want_h = unfused(gu, h_gu, Bp, Ap, offs, n_rows, active)

@@ -480,6 +480,16 @@ def _decode_heads(batch: int, kv_heads: int, rep: int, cols: int, device: torch.
     return heads
 
 
+def _decode_launch(batch: int, kv_heads: int, rep: int, cols: int, longest: int,
+                   device: torch.device) -> tuple[int, int, int]:
+    """The split kernel's launch for ``batch`` sequences of at most ``longest`` tokens: KV heads a
+    program (:func:`_decode_heads`), each head's tokens a step (``cols`` shared among them) and the
+    splits of the sequence axis (:func:`_decode_num_splits`, over the programs' head groups)."""
+    heads = _decode_heads(batch, kv_heads, rep, cols, device)
+    block_n = max(1, cols // heads)
+    return heads, block_n, _decode_num_splits(batch, -(-kv_heads // heads), longest, block_n, device)
+
+
 def _decode_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
     """Splits of the sequence axis: as many as keep the grid within one wave of ~4 programs per SM
     (none once ``batch * kv_heads`` fills that alone; ``kv_heads``: a sequence's programs), at most one per two BLOCK_N blocks of the
@@ -534,14 +544,9 @@ def paged_decode_triton(
     q = q.contiguous()
     d_pad, dv_pad = max(16, _pow2(D)), max(16, _pow2(Dv))  # tl.dot needs >= 16 along each axis
     cols = _decode_block_n(d_pad, dv_pad)  # keys a step; the prefix kernel's tokens a step
-    heads = _decode_heads(B, Hkv, rep, cols, q.device)
-    block_n = max(1, cols // heads)  # each KV head's tokens a step of the split kernel
-    groups = -(-Hkv // heads)
     sel_span = (selected.shape[1] + 1) * int(select_block) if selected is not None else 0
-    if num_splits is None:
-        longest = sel_span or block_table.shape[1] * page
-        num_splits = _decode_num_splits(B, groups, longest, block_n, q.device)
-    num_splits = max(1, int(num_splits))
+    heads, block_n, splits = _decode_launch(B, Hkv, rep, cols, sel_span or block_table.shape[1] * page, q.device)
+    num_splits = max(1, int(splits if num_splits is None else num_splits))
     pre_splits = mb = 0
     if prefix is not None:
         if window or profiles is not None or sinks is not None or selected is not None:
@@ -581,7 +586,7 @@ def paged_decode_triton(
             num_warps=_PREFIX_LAUNCH["num_warps"], num_stages=_PREFIX_LAUNCH["num_stages"],
             **launch, **pdl.options(),
         )
-    _paged_decode_kernel[(B, groups, num_splits)](
+    _paged_decode_kernel[(B, -(-Hkv // heads), num_splits)](
         q,
         k_pages,
         v_pages,

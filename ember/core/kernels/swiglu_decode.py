@@ -37,8 +37,8 @@ if fused.HAVE_TRITON:
         stride_gu, stride_hgu, stride_bg, stride_bo, stride_ag, stride_ar, stride_hd, stride_act,
         N, I, R, RD,
         HAS_ROWS: tl.constexpr, HAS_GU: tl.constexpr, HAS_DOWN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, R_PAD: tl.constexpr,
-        RD_PAD: tl.constexpr, PREC: tl.constexpr, G_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, RD_PAD: tl.constexpr,
+        PREC: tl.constexpr, G_PAD: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
         m0 = tl.program_id(1) * BLOCK_M
@@ -48,48 +48,47 @@ if fused.HAVE_TRITON:
         if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
+        cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        cmask = cols < I
         r = tl.arange(0, R_PAD)
         rmask = r < R
         rd = tl.arange(0, RD_PAD)
         rdmask = rd < RD
         rows = m0 + tl.arange(0, BLOCK_M)
         mmask = rows < N
-        hd = tl.zeros([BLOCK_M, RD_PAD], tl.float32)  # the down shrink's partial over the program's columns
-        # the program's BLOCK_K columns CHUNK at a time: a smaller live tile (registers), one atomic add
-        for c0 in range(0, BLOCK_K, CHUNK):
-            cols = tl.program_id(0) * BLOCK_K + c0 + tl.arange(0, CHUNK)
-            cmask = cols < I
-            tile = mmask[:, None] & cmask[None, :]
-            gu_ptr = GU + rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
-            g = tl.load(gu_ptr, mask=tile, other=0.0).to(tl.float32)
-            u = tl.load(gu_ptr + I, mask=tile, other=0.0).to(tl.float32)
-            if HAS_GU:
-                for i in range(first, last + 1):
-                    grp, mine = _group_at(j, gv, sv, ev, i, rows)
-                    h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
-                    hmask = mine[:, None] & rmask[None, :]
-                    b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
-                    bmask = cmask[:, None] & rmask[None, :]
-                    # gate: B rows [0, I), factor columns [0, R); up: rows [I, 2I), columns [R, 2R)
-                    bg = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_bo, mask=bmask, other=0.0)
-                    bu = tl.load(b_ptr + (I + cols).to(tl.int64)[:, None] * stride_bo + R, mask=bmask, other=0.0)
-                    hg = tl.load(h_ptr, mask=hmask, other=0.0).to(bg.dtype)
-                    hu = tl.load(h_ptr + R, mask=hmask, other=0.0).to(bg.dtype)
-                    g += tl.dot(hg, tl.trans(bg), input_precision=PREC)
-                    u += tl.dot(hu, tl.trans(bu), input_precision=PREC)
-                # the expand kernel's one rounding of base + delta
-                g = g.to(GU.dtype.element_ty).to(tl.float32)
-                u = u.to(GU.dtype.element_ty).to(tl.float32)
-            act = (g * tl.sigmoid(g) * u).to(ACT.dtype.element_ty)
-            tl.store(ACT + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=tile)
-            if HAS_DOWN:
-                for i in range(first, last + 1):  # the groups' rows are disjoint: one partial for all
-                    grp, mine = _group_at(j, gv, sv, ev, i, rows)
-                    a_ptr = AD + (grp + tl.zeros([], tl.int64)) * stride_ag + rd[:, None] * stride_ar + cols[None, :]
-                    a = tl.load(a_ptr, mask=rdmask[:, None] & cmask[None, :], other=0.0)
-                    x = tl.where(mine[:, None], act, 0.0).to(a.dtype)
-                    hd += tl.dot(x, tl.trans(a), input_precision=PREC)  # [BLOCK_M, RD_PAD] fp32
+        tile = mmask[:, None] & cmask[None, :]
+        gu_ptr = GU + rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
+        g = tl.load(gu_ptr, mask=tile, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + I, mask=tile, other=0.0).to(tl.float32)
+        if HAS_GU:
+            for i in range(first, last + 1):
+                grp, mine = _group_at(j, gv, sv, ev, i, rows)
+                h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
+                hmask = mine[:, None] & rmask[None, :]
+                b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
+                bmask = cmask[:, None] & rmask[None, :]
+                # gate: B rows [0, I), factor columns [0, R); up: rows [I, 2I), columns [R, 2R)
+                bg = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_bo, mask=bmask, other=0.0)
+                bu = tl.load(b_ptr + (I + cols).to(tl.int64)[:, None] * stride_bo + R, mask=bmask, other=0.0)
+                hg = tl.load(h_ptr, mask=hmask, other=0.0).to(bg.dtype)
+                hu = tl.load(h_ptr + R, mask=hmask, other=0.0).to(bg.dtype)
+                g += tl.dot(hg, tl.trans(bg), input_precision=PREC)
+                u += tl.dot(hu, tl.trans(bu), input_precision=PREC)
+            # the expand kernel's one rounding of base + delta
+            g = g.to(GU.dtype.element_ty).to(tl.float32)
+            u = u.to(GU.dtype.element_ty).to(tl.float32)
+        act = (g * tl.sigmoid(g) * u).to(ACT.dtype.element_ty)
+        tl.store(ACT + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=tile)
         if HAS_DOWN:
+            # the down shrink's partial over the program's columns: the groups' rows are disjoint, so
+            # one partial for all of them and one atomic add
+            hd = tl.zeros([BLOCK_M, RD_PAD], tl.float32)
+            for i in range(first, last + 1):
+                grp, mine = _group_at(j, gv, sv, ev, i, rows)
+                a_ptr = AD + (grp + tl.zeros([], tl.int64)) * stride_ag + rd[:, None] * stride_ar + cols[None, :]
+                a = tl.load(a_ptr, mask=rdmask[:, None] & cmask[None, :], other=0.0)
+                x = tl.where(mine[:, None], act, 0.0).to(a.dtype)
+                hd += tl.dot(x, tl.trans(a), input_precision=PREC)  # [BLOCK_M, RD_PAD] fp32
             # the rows of the block's groups (consecutive: rows are sorted by group)
             lo = tl.sum(tl.where(j == first, sv, 0), axis=0)
             hi = tl.sum(tl.where(j == last, ev, 0), axis=0)
@@ -98,18 +97,18 @@ if fused.HAVE_TRITON:
             tl.atomic_add(hd_ptr, hd, mask=ours[:, None] & rdmask[None, :], sem="relaxed")
 
 
-def swiglu_config(n_rows: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_K, CHUNK, num_warps)`` of the launch: up to 32 rows a block, 256
-    intermediate columns a program (the down shrink's split), all 256 in one step, 8 warps. ``bench/gpu_checks.py swiglu_lora``
-    times every shape; on an H100 (Qwen3-8B's MLP, 36 layers) this one took 363 µs a step at 64
-    rows of one adapter and 1,043 µs at 256 rows of eight, against 374 and 1,153 µs for 64 × 128
-    (fewer atomic adds into ``h_down``, and a row block rarely spans two adapters' rows). Compiled
-    for sm_90a (Triton 3.6) it takes 246 registers a thread, one program an SM. Walking the columns
-    in steps (fewer registers, two programs an SM at 4 warps) was slower on an H100 at every shape
-    tried (2026-12-07): 32 × 256 in 128-column steps 476 against 368 µs at 64 rows, 1,117 against
-    1,030 at 256 rows with 4 warps; 64-column steps 675-1,560. The loads of one step wait for the
-    step before, where one tile has them all in flight."""
-    return max(16, min(32, _pow2(n_rows))), 256, 256, 8
+def swiglu_config(n_rows: int) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_K)`` of the launch (8 warps): up to 32 rows a block, 256 intermediate
+    columns a program (the down shrink's split). ``bench/gpu_checks.py swiglu_lora`` times every
+    shape; on an H100 (Qwen3-8B's MLP, 36 layers) this one took 363 µs a step at 64 rows of one
+    adapter and 1,043 µs at 256 rows of eight, against 374 and 1,153 µs for 64 × 128 (fewer atomic
+    adds into ``h_down``, and a row block rarely spans two adapters' rows). Compiled for sm_90a
+    (Triton 3.6) it takes 246 registers a thread, one program an SM. Walking a program's columns in
+    steps (fewer registers, two programs an SM at 4 warps; 7330c85) was slower on an H100 at every
+    shape tried (2026-12-07): 128-column steps 476 against 368 µs at 64 rows, 1,117 against 1,030
+    at 256 rows with 4 warps; 64-column steps 675-1,560. The loads of one step wait for the step
+    before, where one tile has them all in flight."""
+    return max(16, min(32, _pow2(n_rows))), 256
 
 
 def swiglu_lora(
@@ -132,8 +131,7 @@ def swiglu_lora(
 
     Groups as :func:`~ember.core.kernels.lora_decode.lora_shrink` takes them (``offsets``,
     ``n_rows``, and ``active`` from :func:`~ember.core.kernels.lora_decode.active_groups`).
-    ``config``: ``(BLOCK_M, BLOCK_K, CHUNK, num_warps)`` instead of :func:`swiglu_config`'s (the check sweeps
-    them; ``CHUNK`` divides ``BLOCK_K``)."""
+    ``config``: ``(BLOCK_M, BLOCK_K)`` instead of :func:`swiglu_config`'s (the check sweeps them)."""
     N, two_i = gu.shape
     I = two_i // 2  # the intermediate width
     if gu.stride(-1) != 1 or two_i % 2:
@@ -151,9 +149,7 @@ def swiglu_lora(
     if down is not None and (A_d.shape[2] != I or h_d.shape != (N, RD) or h_d.dtype != torch.float32
                              or A_d.stride(-1) != 1 or h_d.stride(-1) != 1):
         raise ValueError(f"swiglu_lora: down stack {tuple(A_d.shape)}, h {tuple(h_d.shape)} for gu {tuple(gu.shape)}")
-    block_m, block_k, chunk, warps = config or swiglu_config(N)
-    if block_k % chunk:
-        raise ValueError(f"swiglu_lora: CHUNK {chunk} must divide BLOCK_K {block_k}")
+    block_m, block_k = config or swiglu_config(N)
     _swiglu_lora[(triton.cdiv(I, block_k), triton.cdiv(N, block_m))](
         gu, h_gu, B_gu, A_d, h_d, act, offsets, n_rows if n_rows is not None else offsets, active.ids, active.count,
         gu.stride(0), h_gu.stride(0), B_gu.stride(0) if gate_up is not None else 0,
@@ -161,8 +157,8 @@ def swiglu_lora(
         A_d.stride(1) if down is not None else 0, h_d.stride(0) if down is not None else 0, act.stride(0),
         N, I, R, RD,
         HAS_ROWS=n_rows is not None, HAS_GU=gate_up is not None, HAS_DOWN=down is not None,
-        BLOCK_M=block_m, BLOCK_K=block_k, CHUNK=chunk, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
-        PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=groups_pad(active), num_warps=warps,
+        BLOCK_M=block_m, BLOCK_K=block_k, R_PAD=max(16, _pow2(R)), RD_PAD=max(16, _pow2(RD)),
+        PREC=_prec(B_gu if gate_up is not None else A_d), G_PAD=groups_pad(active), num_warps=8,
         **pdl.options(),
     )
     return act

@@ -1400,6 +1400,14 @@ def check_decode_gemm_decode() -> None:
     _decoder_variants("decode GEMM", variants)
 
 
+def check_shrink_windows() -> None:
+    """The LoRA shrinks carried by the base products (``SamplerConfig.shrink_windows``, on by
+    default: three adapters in four windows) against the shrink kernels, in the static decoder
+    (:func:`_decoder_variants`). A window filled with another adapter's factors, or read at the
+    wrong position, would change the logprobs far beyond the noise."""
+    _decoder_variants("shrink windows", [("windows again", {}), ("shrink kernels", {"shrink_windows": False})])
+
+
 CHECKS = {
     "gdn": lambda: check_gdn(),
     "sampling": lambda: check_sampling(),
@@ -1429,6 +1437,7 @@ CHECKS = {
     "pdl_decode": lambda: check_pdl_decode(),
     "decode_gemm": lambda: check_decode_gemm_decode(),
     "swiglu_lora": lambda: check_swiglu_lora(),
+    "shrink_windows": lambda: check_shrink_windows(),
     "mixed": lambda: check_mixed(),
     "rebuild": lambda: check_rebuild(),
 }

@@ -197,6 +197,7 @@ def run_ember(
     overlap: bool = True,
     dependent_launch: bool = SamplerConfig.dependent_launch,
     decode_gemm: bool = SamplerConfig.decode_gemm,
+    shrink_windows: bool = SamplerConfig.shrink_windows,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -214,6 +215,7 @@ def run_ember(
         overlap_decode=overlap,
         dependent_launch=dependent_launch,
         decode_gemm=decode_gemm,
+        shrink_windows=shrink_windows,
     )
     sync()
     t_start = time.perf_counter()
@@ -461,6 +463,10 @@ def main() -> None:
                     help="SamplerConfig.decode_gemm (0/1; the decode step's dense products as Ember's decode GEMM with "
                          "the LoRA expand in its epilogue, else cuBLAS); a comma list as for --dependent-launch (names "
                          "<workload>+gemm or <workload>+cublas)")
+    ap.add_argument("--shrink-windows", default=str(int(SamplerConfig.shrink_windows)),
+                    help="SamplerConfig.shrink_windows (0/1; a step of few adapters multiplies their LoRA shrink in the "
+                         "base products, else shrink kernels); a comma list as for --dependent-launch (names "
+                         "<workload>+windows or <workload>+shrinks)")
     ap.add_argument("--gemm-configs", type=Path, default=None,
                     help="decode GEMM launch choices measured by bench/decode_gemm.py --out (its decode_gemm.json)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -489,13 +495,16 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    # one variant per (--dependent-launch, --decode-gemm) pair; the first keeps the workloads' names
-    variants = [{"dependent_launch": bool(int(dl)), "decode_gemm": bool(int(g))}
-                for dl in args.dependent_launch.split(",") for g in args.decode_gemm.split(",")]
+    # one variant per (--dependent-launch, --decode-gemm, --shrink-windows) triple; the first keeps the
+    # workloads' names
+    variants = [{"dependent_launch": bool(int(dl)), "decode_gemm": bool(int(g)), "shrink_windows": bool(int(w))}
+                for dl in args.dependent_launch.split(",") for g in args.decode_gemm.split(",")
+                for w in args.shrink_windows.split(",")]
     current = dict(variants[0])
 
     def suffix(v: dict) -> str:
-        names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm")}
+        names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm"),
+                 "shrink_windows": ("+shrinks", "+windows")}
         return "".join(names[k][v[k]] for k in names if v[k] != variants[0][k])
 
     def ember(*a, **k):

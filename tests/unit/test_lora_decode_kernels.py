@@ -158,6 +158,33 @@ SCRIPT = textwrap.dedent(
     except ValueError as e:
         assert "splits" in str(e)
 
+    # a windowed h [N, P, r] (the shrink carried out by the base product): the i-th active group's
+    # rows read window i, whatever the other windows hold at their rows (the product fills every
+    # window for every row); with and without a packed group's splits
+    for widths in ((48,), (32, 64)):
+        G, Rm, N, P = 6, 16, 23, 4
+        offs = torch.tensor([0, 7, 7, 15, 15, N], dtype=torch.int32)  # groups 1, 3, 5 have rows
+        active = ld.active_groups(offs, skip_first=True, bound=P)
+        B = torch.zeros(G, sum(widths), len(widths) * Rm)
+        o = 0
+        for j, w in enumerate(widths):
+            B[1:, o : o + w, j * Rm : (j + 1) * Rm] = torch.randn(G - 1, w, Rm) / Rm ** 0.5
+            o += w
+        h = torch.randn(N, len(widths) * Rm)
+        win = torch.randn(N, P, len(widths) * Rm) * 100  # rows outside a window's group: never read
+        for i, (s, e) in enumerate(((0, 7), (7, 15), (15, N))):
+            win[s:e, i] = h[s:e]
+        y0 = torch.randn(N, sum(widths))
+        splits = widths if len(widths) > 1 else None
+        y = ld.lora_expand_add(y0.clone(), win, B, offs, skip_first=True, active=active, splits=splits)
+        want = ld.lora_expand_add(y0.clone(), h, B, offs, skip_first=True, active=active, splits=splits)
+        check(f"expand windowed splits={splits}", y, want.double(), 1e-6)
+    try:
+        ld.lora_expand_add(y0.clone(), win[:, :2], B, offs, skip_first=True, active=active, splits=splits)
+        raise AssertionError("fewer windows than active groups were taken")
+    except ValueError as e:
+        assert "windows" in str(e)
+
     # an fp32 output (the LM head's logits) with bf16 activations and stacks; 3-d activations
     A, B = stacks(3, 32, 32, 128, 300, torch.bfloat16)
     offs = torch.tensor([2, 9, 13], dtype=torch.int32)

@@ -85,6 +85,17 @@ SCRIPT = textwrap.dedent(
                     err = rel(h_d, want_h)
                     assert err <= tol, (dtype, sizes, parts, "h_down", err)
                 print(dtype, sizes, parts, "ok")
+            # h_gu windowed (the shrink carried out by the gate/up product): the i-th active group's
+            # rows read window i; the other windows hold garbage at their rows
+            want_act, _ = unfused(gu, h_gu, B, None, offs, n_rows, active)
+            win = randn(N, active.bound, 2 * R, scale=100.0)
+            ids, count = active.ids.tolist(), int(active.count)
+            for i, grp in enumerate(ids[:count]):
+                s, e = (int(offs[grp - 1]) if grp else 0), int(offs[grp])
+                win[s:e, i] = h_gu[s:e]
+            act = swiglu_lora(gu, offs, active, n_rows, (win, B), None)
+            err = rel(act, want_act)
+            assert err <= tol, (dtype, sizes, "windowed", err)
 
     # a SwiGLU block through the static route: one kernel, and the down projection finds its shrink
     H, I, R, N = 64, 96, 16, 13

@@ -15,6 +15,8 @@ each group with rows, the delta is ``x[rows] @ A[g].T @ B[g].T``. Two launches:
   block ``B[g][o·BLOCK_O : (o+1)·BLOCK_O, :]`` once and loops over the group's row blocks, adding the
   delta to ``y`` in fp32 and rounding once to ``y``'s dtype (this fuses the ``y + delta`` add). For
   a packed group (``splits``) the block takes only its member's columns of the block-diagonal ``B``.
+  ``h`` may come windowed from the base product instead (``[N, P, r]``: the static decoder's shrink
+  windows, :class:`~ember.core.sampling.static_route.PackedLinears`).
 
 Under programmatic dependent launch both kernels load the group list, the group's rows and their
 first factor block before the grid-dependency wait (:mod:`ember.core.kernels.pdl`, "read early"),
@@ -149,7 +151,7 @@ if fused.HAVE_TRITON:
     @triton.jit
     def _lora_expand_kernel(
         H, B, Y, OFFS, ROWS, ACTIVE, N_ACTIVE, COL0,
-        stride_hm, stride_bg, stride_bo, stride_ym,
+        stride_hm, stride_hj, stride_bg, stride_bo, stride_ym,
         N_OUT, R,
         HAS_ROWS: tl.constexpr, GSTRIDE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr,
@@ -180,7 +182,8 @@ if fused.HAVE_TRITON:
             for m0 in range(start, end, BLOCK_M):
                 rows = m0 + tl.arange(0, BLOCK_M)
                 mmask = rows < end
-                h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
+                # stride_hj: the i-th active group's h starts i · stride_hj columns on (windowed h)
+                h_ptr = H + i * stride_hj + rows.to(tl.int64)[:, None] * stride_hm + r[None, :]
                 h = tl.load(h_ptr, mask=mmask[:, None] & rmask[None, :], other=0.0).to(b.dtype)
                 d = tl.dot(h, b_t, input_precision=PREC)  # [BLOCK_M, BLOCK_O] fp32
                 y_ptr = Y + rows.to(tl.int64)[:, None] * stride_ym + o[None, :]
@@ -355,11 +358,23 @@ def lora_expand_add(
     output widths of a packed group's members when ``B`` is block-diagonal over them (member ``j``'s
     outputs take only factor columns ``[j·r/m, (j+1)·r/m)``, zeros elsewhere, as
     :class:`~ember.core.sampling.static_route.LoraStacks` packs them): each block of outputs then
-    multiplies only its member's columns, ``1/m`` of the factor bytes. Returns ``y``."""
-    _check(h, B, offsets)
+    multiplies only its member's columns, ``1/m`` of the factor bytes.
+
+    ``h`` may also be *windowed*, ``[N, P, r]``: the ``i``-th active group's rows then read
+    ``h[:, i]`` (the shrink carried out by the base product, one window of columns per active group
+    in the order of ``active``, :class:`~ember.core.sampling.static_route.PackedLinears`); ``P``
+    must be at least ``active.bound``. Returns ``y``."""
+    windowed = h.dim() == 3
+    if windowed:
+        if active is None or h.shape[1] < active.bound:
+            raise ValueError(f"lora_expand_add: a windowed h {tuple(h.shape)} needs active groups bounded by its "
+                             f"{h.shape[1]} windows")
+        _check(h[:, 0], B, offsets)
+    else:
+        _check(h, B, offsets)
     if y.dim() != 2 or y.stride(-1) != 1 or y.shape != (h.shape[0], B.shape[1]):
         raise ValueError(f"lora_expand_add: y {tuple(y.shape)} does not match h {tuple(h.shape)}, B {tuple(B.shape)}")
-    N, R = h.shape
+    N, R = h.shape[0], h.shape[-1]
     G, n_out, _ = B.shape
     first = 1 if skip_first else 0
     if N == 0 or G <= first or n_out == 0:
@@ -388,7 +403,7 @@ def lora_expand_add(
     _lora_expand_kernel[grid](
         h, B, y, offsets, n_rows if n_rows is not None else offsets, active.ids, active.count,
         col0 if col0 is not None else offsets,
-        h.stride(0), B.stride(0), B.stride(1), y.stride(0),
+        h.stride(0), h.stride(1) if windowed else 0, B.stride(0), B.stride(1), y.stride(0),
         n_out, R,
         HAS_ROWS=n_rows is not None, GSTRIDE=gstride,
         BLOCK_M=block_m, BLOCK_O=block_o, R_PAD=r_pad, PREC=_prec(B), SPLIT=col0 is not None, num_warps=4,

@@ -34,7 +34,7 @@ if fused.HAVE_TRITON:
     @triton.jit
     def _swiglu_lora(
         GU, HGU, BGU, AD, HD, ACT, OFFS, ROWS, ACTIVE, N_ACTIVE,
-        stride_gu, stride_hgu, stride_bg, stride_bo, stride_ag, stride_ar, stride_hd, stride_act,
+        stride_gu, stride_hgu, stride_hj, stride_bg, stride_bo, stride_ag, stride_ar, stride_hd, stride_act,
         N, I, R, RD,
         HAS_ROWS: tl.constexpr, HAS_GU: tl.constexpr, HAS_DOWN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, RD_PAD: tl.constexpr,
@@ -63,7 +63,8 @@ if fused.HAVE_TRITON:
         if HAS_GU:
             for i in range(first, last + 1):
                 grp, mine = _group_at(j, gv, sv, ev, i, rows)
-                h_ptr = HGU + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
+                # stride_hj: the i-th active group's h starts i · stride_hj columns on (windowed h)
+                h_ptr = HGU + i * stride_hj + rows.to(tl.int64)[:, None] * stride_hgu + r[None, :]
                 hmask = mine[:, None] & rmask[None, :]
                 b_ptr = BGU + (grp + tl.zeros([], tl.int64)) * stride_bg + r[None, :]
                 bmask = cmask[:, None] & rmask[None, :]
@@ -123,9 +124,11 @@ def swiglu_lora(
     """``act = silu(g) · u`` of the packed ``gu = [g | u]`` (``[N, 2·I]``, unit stride along
     columns) -> ``[N, I]``, with LoRA on either side:
 
-    * ``gate_up = (h_gu, B_gu)``: the gate/up group's shrink ``[N, 2·r]`` (fp32, gate's ``r``
-      columns first) and its block-diagonal stack ``[G, 2·I, 2·r]``; each group's delta is added
-      to g and u first (rounded once to ``gu``'s dtype);
+    * ``gate_up = (h_gu, B_gu)``: the gate/up group's shrink ``[N, 2·r]`` (gate's ``r`` columns
+      first), or windowed, ``[N, P, 2·r]`` (the ``i``-th active group's in ``h_gu[:, i]``, as
+      :func:`~ember.core.kernels.lora_decode.lora_expand_add` takes it), and its block-diagonal
+      stack ``[G, 2·I, 2·r]``; each group's delta is added to g and u first (rounded once to
+      ``gu``'s dtype);
     * ``down = (A_down, h_down)``: the down projection's stack ``[G, r_d, I]`` and a zeroed fp32
       ``[N, r_d]`` that receives ``act @ A_down[g].T`` for each row's group ``g``.
 
@@ -141,18 +144,20 @@ def swiglu_lora(
         return act
     h_gu, B_gu = gate_up if gate_up is not None else (gu, gu)
     A_d, h_d = down if down is not None else (gu, gu)
-    R = h_gu.shape[1] // 2 if gate_up is not None else 1
+    windowed = gate_up is not None and h_gu.dim() == 3
+    R = h_gu.shape[-1] // 2 if gate_up is not None else 1
     RD = A_d.shape[1] if down is not None else 1
     if gate_up is not None and (B_gu.shape[1:] != (two_i, 2 * R) or h_gu.shape[0] != N or h_gu.stride(-1) != 1
-                                or B_gu.stride(-1) != 1):
-        raise ValueError(f"swiglu_lora: gate_up stacks {tuple(B_gu.shape)}, h {tuple(h_gu.shape)} for gu {tuple(gu.shape)}")
+                                or B_gu.stride(-1) != 1 or (windowed and h_gu.shape[1] < active.bound)):
+        raise ValueError(f"swiglu_lora: gate_up stacks {tuple(B_gu.shape)}, h {tuple(h_gu.shape)} for gu {tuple(gu.shape)}"
+                         f" and {active.bound} active groups")
     if down is not None and (A_d.shape[2] != I or h_d.shape != (N, RD) or h_d.dtype != torch.float32
                              or A_d.stride(-1) != 1 or h_d.stride(-1) != 1):
         raise ValueError(f"swiglu_lora: down stack {tuple(A_d.shape)}, h {tuple(h_d.shape)} for gu {tuple(gu.shape)}")
     block_m, block_k = config or swiglu_config(N)
     _swiglu_lora[(triton.cdiv(I, block_k), triton.cdiv(N, block_m))](
         gu, h_gu, B_gu, A_d, h_d, act, offsets, n_rows if n_rows is not None else offsets, active.ids, active.count,
-        gu.stride(0), h_gu.stride(0), B_gu.stride(0) if gate_up is not None else 0,
+        gu.stride(0), h_gu.stride(0), h_gu.stride(1) if windowed else 0, B_gu.stride(0) if gate_up is not None else 0,
         B_gu.stride(1) if gate_up is not None else 0, A_d.stride(0) if down is not None else 0,
         A_d.stride(1) if down is not None else 0, h_d.stride(0) if down is not None else 0, act.stride(0),
         N, I, R, RD,

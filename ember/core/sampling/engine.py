@@ -134,6 +134,11 @@ class SamplerConfig:
       gate/up, down) run as Ember's decode GEMM (:mod:`ember.core.kernels.decode_gemm`) with each
       row's LoRA expand in its epilogue, instead of cuBLAS followed by a separate expand. Off by
       default until it is measured faster in a whole step (``bench/sample.py --decode-gemm 0,1``).
+    * ``shrink_windows``: with the static decoder and its kernels, a step of few adapters multiplies
+      their LoRA shrink factors in the base products of q/k/v, o and gate/up, laid as spare rows
+      after the packed weights, instead of launching a shrink kernel for each
+      (:class:`~ember.core.sampling.static_route.PackedLinears`; costs up to a quarter of those
+      weights' memory, and nothing where the decode kernels do not run).
     """
 
     max_seqs: int = 256
@@ -151,6 +156,7 @@ class SamplerConfig:
     overlap_decode: bool = True
     dependent_launch: bool = True
     decode_gemm: bool = False
+    shrink_windows: bool = True
 
 
 class StepRecord(NamedTuple):
@@ -255,7 +261,7 @@ class SamplingEngine:
             self.static = StaticDecoder(
                 model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states,
                 dependent_launch=config.dependent_launch, decode_gemm=config.decode_gemm,
-                shared_prefix=config.shared_prefix_attention,
+                shared_prefix=config.shared_prefix_attention, shrink_windows=config.shrink_windows,
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None

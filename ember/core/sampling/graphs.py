@@ -70,7 +70,13 @@ from ember.core.sampling.attention import PREFIX_GROUP, DecodeAttention, shared_
 from ember.core.sampling.decode import DecodeBatch, DecodeContext, block_table_array
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
-from ember.core.sampling.static_route import LoraStacks, PackedLinears, StaticRoute, shared_input_groups
+from ember.core.sampling.static_route import (
+    RANK_MULTIPLE,
+    LoraStacks,
+    PackedLinears,
+    StaticRoute,
+    shared_input_groups,
+)
 
 
 def default_buckets(max_seqs: int) -> tuple[int, ...]:
@@ -128,6 +134,7 @@ class StaticDecoder:
         dependent_launch: bool = False,
         decode_gemm: bool = False,
         shared_prefix: bool = True,
+        shrink_windows: bool = True,
     ):
         self.model = model
         self.shared_prefix = shared_prefix and fused.use_triton(torch.empty(0, device=cache.device))
@@ -136,9 +143,12 @@ class StaticDecoder:
         self.max_positions = max_positions
         self.buckets = tuple(sorted(buckets))
         self.width = math.ceil(max_positions / cache.page_size)
-        self.packed = PackedLinears(model)
         shared = [[m.lora_name for m in g] for g in shared_input_groups(model)]
         self.stacks = LoraStacks(bank, next(model.parameters()).dtype, shared)
+        # shrink windows after the packed weights, where the decode kernels run (PackedLinears)
+        window_rank = (math.ceil(bank.max_rank / RANK_MULTIPLE) * RANK_MULTIPLE
+                       if shrink_windows and fused.use_triton(torch.empty(0, device=cache.device)) else 0)
+        self.packed = PackedLinears(model, window_rank, [t.name for t in bank.targets if t.num_experts is None])
         self.use_graphs = use_graphs and cache.device.type == "cuda"
         self.rope_tables: dict = {}
         # host-resident n-gram tables: their rows are computed and fetched on the host before a step
@@ -329,6 +339,13 @@ class StaticDecoder:
         slots = max(self.stacks.groups - 1, 1)
         return slots if busy > lora_decode.GROUP_PROGRAMS else min(1 << (busy - 1).bit_length(), slots)
 
+    def _windows(self, use_lora: bool, adapters: int | None) -> int:
+        """The shrink windows a step multiplies (:class:`PackedLinears`): as many as the LoRA
+        kernels' bound on its adapters, where that many fit; else 0 (the shrink kernels)."""
+        if not use_lora or adapters is None or adapters > self.packed.positions:
+            return 0
+        return adapters
+
     def _forward(self, buf: _Buffers, kind: _Kind) -> tuple[torch.Tensor, torch.Tensor]:
         with pdl.launches(self.dependent_launch):
             return self._step(buf, kind)
@@ -339,7 +356,8 @@ class StaticDecoder:
         # in a dense step, below the context length without QSA
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
-                            rows=buf.positions.shape[0], gemm=self.gemm, max_active=adapters)
+                            rows=buf.positions.shape[0], gemm=self.gemm, max_active=adapters,
+                            windows=self._windows(use_lora, adapters))
         if use_lora and fused.use_triton(buf.offsets):
             # the active-group list at the step's start: the LoRA kernels read it before their
             # grid-dependency wait (kernels.pdl, "read early"), so no kernel close before them may write it
@@ -398,6 +416,8 @@ class StaticDecoder:
         n = len(batch)
         kind = _Kind(use_lora, batch.record_head, self._span(batch), self._adapters(batch) if use_lora else None,
                      shared)
+        if self._windows(use_lora, kind.adapters):  # the step's adapters' shrink factors, where they changed
+            self.packed.fill_windows(self.stacks, sorted(set(batch.slots) - {0}))
         if not self.use_graphs:
             logits, chosen = self._forward(buf, kind)
             return logits[:n], None, chosen[:, :n]

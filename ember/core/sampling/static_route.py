@@ -1,7 +1,8 @@
 """The static decoder's LoRA route and weights: what a decode step multiplies.
 
 * :class:`PackedLinears`: the base weights of each shared-input group (q/k/v, gate/up) laid side by
-  side, so a step runs one GEMM per group.
+  side, so a step runs one GEMM per group; after them, spare rows where a step of few adapters
+  puts their LoRA shrink factors, so the same GEMM computes the shrink (shrink windows).
 * :class:`LoraStacks`: every bank slot's factors of a module in one stack ``[slots + 1, r, in]`` /
   ``[slots + 1, out, r]`` (the adapter's scale folded into ``B``; a shared-input group's members
   stacked together), so one captured graph serves any mix of adapters.
@@ -17,6 +18,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 
@@ -33,6 +35,9 @@ from ember.core.models.base import CausalLM
 
 RANK_MULTIPLE = 16
 EXPERT_RANK_MULTIPLE = 8
+WINDOW_POSITIONS = 8  # steps of at most this many adapters carry their shrinks in the base products
+WINDOW_SHARE = 4  # the shrink windows take at most a quarter of a group's rows
+_STACKS = itertools.count()
 
 # modules that read the same input in a decoder layer (a group is named by its first member)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -53,6 +58,14 @@ def shared_input_groups(model: CausalLM) -> list[list[LoraLinear]]:
     return groups
 
 
+def window_groups(model: CausalLM) -> list[list[LoraLinear]]:
+    """The groups :class:`PackedLinears` packs: the shared-input groups, then each attention output
+    projection (``o_proj``) alone, whose shrink a window can carry too (the down projection's runs
+    in the SwiGLU kernel)."""
+    singles = [[mod.o_proj] for mod in model.modules() if isinstance(getattr(mod, "o_proj", None), LoraLinear)]
+    return shared_input_groups(model) + singles
+
+
 class PackedLinears:
     """The base weights of each shared-input group laid side by side in one tensor (rows of the
     members in order), so a decode step runs one GEMM per group: at the batch sizes of decode the
@@ -61,21 +74,47 @@ class PackedLinears:
 
     Packing makes each member's ``weight`` (and ``bias``) a view of the group's tensor: values,
     shapes and parameters are unchanged, so the trainer, which shares the model, sees no
-    difference. :meth:`rows` re-checks that a weight is still that view before it is used."""
+    difference. :meth:`rows` re-checks that a weight is still that view before it is used.
 
-    def __init__(self, model: CausalLM):
+    **Shrink windows.** With ``window_rank`` (the adapter bank's largest rank), the groups whose
+    modules the bank may adapt (:func:`window_groups`: the shared-input groups and the attention
+    output projection, packed as a group of one) get :attr:`positions` windows of spare rows after
+    their weights, ``members · window_rank`` rows each. A decode step of at most that many adapters
+    copies the ``A`` factors of its ``i``-th adapter (in slot order, the order of
+    :class:`~ember.core.kernels.lora_decode.ActiveGroups`) into window ``i`` (:meth:`fill_windows`,
+    only where they changed) and multiplies the weights and its windows in one cuBLAS product
+    (:meth:`window_product`): the LoRA shrink ``x @ A.T`` comes out beside the base output, with no
+    launch of its own (a launch is about 3.4 µs of a decode step's latency, three a layer).
+    Windows take at most ``1 / WINDOW_SHARE`` of a group's rows, and a step multiplies only the
+    windows of its adapters, so a bank's unused slots cost nothing. Several decoders of one model
+    share the windows; the record of what each window holds lives on the group's first module."""
+
+    def __init__(self, model: CausalLM, window_rank: int = 0, targets: Iterable[str] = ()):
         self.weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.member: dict[str, tuple[str, int, int]] = {}  # module -> (group, first row, end row)
         self.modules: dict[str, list[LoraLinear]] = {}  # group -> its members
+        self.windows: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> weights and windows
+        targets = set(targets)
+        groups = []
+        for members in window_groups(model):
+            ws = [m.weight for m in members]
+            biases = [m.bias for m in members]
+            if len({(w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
+                continue
+            windowed = window_rank > 0 and all(m.lora_name in targets for m in members)
+            if len(members) > 1 or windowed:  # a single module is packed only for its windows
+                groups.append((members, windowed))
+        # one number of windows for every group (a step uses all of them or none): a power of two
+        rows = [(sum(m.out_features for m in g), len(g)) for g, windowed in groups if windowed]
+        fit = min((out // (WINDOW_SHARE * n * window_rank) for out, n in rows), default=0)
+        self.positions = min(WINDOW_POSITIONS, 1 << (fit.bit_length() - 1)) if fit else 0
         with torch.no_grad():
-            for members in shared_input_groups(model):
-                ws = [m.weight for m in members]
-                biases = [m.bias for m in members]
-                if len({(w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
-                    continue
+            for members, windowed in groups:
                 key = members[0].lora_name
-                W = side_by_side(ws)
-                b = side_by_side(biases) if biases[0] is not None else None
+                spare = self.positions * len(members) * window_rank if windowed else 0
+                W = side_by_side([m.weight for m in members], spare)
+                fresh = W.data_ptr() != members[0].weight.data_ptr()  # newly packed: its windows hold zeros
+                b = side_by_side([m.bias for m in members], spare) if members[0].bias is not None else None
                 start = 0
                 for m in members:
                     end = start + m.out_features
@@ -84,8 +123,47 @@ class PackedLinears:
                         m.bias.data = b[start:end]
                     self.member[m.lora_name] = (key, start, end)
                     start = end
-                self.weights[key] = (W, b)
+                self.weights[key] = (W[:start], b[:start] if b is not None else None)
                 self.modules[key] = members
+                if spare:
+                    self.windows[key] = (W, b)
+                    record = getattr(members[0], "decode_windows", None)
+                    if fresh or record is None:
+                        members[0].decode_windows = [None] * self.positions
+                    elif len(record) < self.positions:
+                        record.extend([None] * (self.positions - len(record)))
+
+    def window_product(self, key: str, x: torch.Tensor, cols: int) -> torch.Tensor:
+        """``x`` times group ``key``'s weights and the first ``cols`` rows of its windows:
+        ``[N, out + cols]``, the base output then the windows' shrinks."""
+        W, b = self.windows[key]
+        end = self.weights[key][0].shape[0] + cols
+        return F.linear(x, W[:end], b[:end] if b is not None else None)
+
+    def fill_windows(self, stacks: LoraStacks, slots: list[int]) -> None:
+        """Copy into window ``i`` of every windowed group the shrink factors of ``slots[i]`` (a step's
+        adapters in slot order, at most :attr:`positions`), where the window holds anything else:
+        another slot, an older version of the adapter, factors of stacks since reallocated or of
+        another decoder's stacks. One multi-tensor copy for the windows that changed."""
+        if len(slots) > self.positions:
+            raise ValueError(f"fill_windows: {len(slots)} adapters for {self.positions} windows")
+        dst, src = [], []
+        for key, (W, _) in self.windows.items():
+            stack = stacks.fused.get(key)
+            if stack is None:
+                continue
+            A = stack[0]
+            width, base = A.shape[1], self.weights[key][0].shape[0]
+            record = self.modules[key][0].decode_windows
+            for i, slot in enumerate(slots):
+                holds = (stacks.uid, stacks.version, slot, stacks.synced.get(slot))
+                if record[i] != holds:
+                    dst.append(W[base + i * width : base + (i + 1) * width])
+                    src.append(A[slot])
+                    record[i] = holds
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
 
     def rows(self, name: str, weight: torch.Tensor) -> tuple[str, int, int] | None:
         """``(group, first row, end row)`` of module ``name`` if ``weight`` is still its packed view."""
@@ -127,6 +205,7 @@ class LoraStacks:
     to a multiple of :data:`EXPERT_RANK_MULTIPLE`."""
 
     def __init__(self, bank: AdapterBank, dtype: torch.dtype, shared: list[list[str]] = ()):
+        self.uid = next(_STACKS)  # tells the stacks of different decoders apart (shrink windows)
         self.bank = bank
         self.dtype = dtype
         self.device = bank.device
@@ -284,6 +363,7 @@ class StaticRoute:
         gemm: decode_gemm.Workspace | None = None,
         max_active: int | None = None,
         kernels: bool = True,
+        windows: int = 0,
     ):
         self.stacks = stacks
         self.offsets = offsets
@@ -300,6 +380,10 @@ class StaticRoute:
         self.max_active = max_active  # at most this many slots have rows (None: any of the bank's)
         self.kernels = kernels  # the decode kernels where they run; False: grouped products
         self._active: lora_decode.ActiveGroups | None = None
+        if windows and (max_active is None or windows < max_active or packed is None or windows > packed.positions):
+            raise ValueError(f"StaticRoute: {windows} shrink windows for at most {max_active} adapters "
+                             f"({packed.positions if packed is not None else 0} packed)")
+        self.windows = windows  # shrink windows the packed products multiply (PackedLinears); 0: none
 
     @property
     def active(self) -> lora_decode.ActiveGroups:
@@ -338,6 +422,29 @@ class StaticRoute:
             self._h = (key, x, h)
         return self._h[2]
 
+    def _windowed(self, key: str, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
+        """Whether group ``key``'s shrink rides in its base product this step (shrink windows, see
+        :class:`PackedLinears`): windows in use, the group has them, its weights (not rollout
+        copies) are multiplied through cuBLAS, and the decode kernels run."""
+        return (
+            self.windows > 0
+            and key in self.packed.windows
+            and not self.packed.rollout(key)
+            and not self._gemm_ok(x, self.packed.weights[key][0], B)
+            and self._triton(x, A, B)
+        )
+
+    def _window_product(self, key: str, x: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``key``'s base output and its shrink, windowed (``[N, windows, members · r]``: the
+        ``i``-th active slot's in window ``i``), from one product; the shrink is kept as the group's
+        ``h`` (:meth:`_group_h`)."""
+        width = A.shape[1]
+        y = self.packed.window_product(key, x, self.windows * width)
+        out = self.packed.weights[key][0].shape[0]
+        h = y[:, out:].unflatten(1, (self.windows, width))
+        self._h = (key, x, h)
+        return y[:, :out], h
+
     def _expand(self, y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, triton: bool,
                 splits: tuple[int, ...] | None = None) -> torch.Tensor:
         if triton:  # splits: a packed group's member widths (its block-diagonal B)
@@ -355,7 +462,7 @@ class StaticRoute:
         y2 = y.view(-1, y.shape[-1]) if y.dim() != 2 else y
         triton = self._triton(y, x, A, B) and y2.stride(-1) == 1
         R = self.stacks.rank
-        h = self._group_h(key, x, triton)[:, j * R : (j + 1) * R]
+        h = self._group_h(key, x, triton)[..., j * R : (j + 1) * R]  # [N, r] or windowed [N, P, r]
         return self._expand(y2, h, B, triton).view(y.shape)
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
@@ -405,6 +512,9 @@ class StaticRoute:
             B = stacks[1] if stacks is not None else None
             if not self.packed.rollout(key) and self._gemm_ok(x, W, B):
                 y = self._gemm(key, 0, x, W, b, B)
+            elif stacks is not None and self._windowed(key, x, *stacks):
+                y, h = self._window_product(key, x, stacks[0])
+                y = self._expand(y, h, stacks[1], True, self.stacks.splits[key])
             else:
                 y = self.packed.product(key, x)
                 if stacks is not None:
@@ -436,9 +546,13 @@ class StaticRoute:
         if not self._triton(*tensors) or (gu_stacks is not None and gu_stacks[1].shape[1] != 2 * gate.out_features):
             return None
         W, b = self.packed.weights[key]
-        gu = (self._gemm(key, 0, x, W, b, None) if not self.packed.rollout(key) and self._gemm_ok(x, W, None)
-              else self.packed.product(key, x))
-        gate_up = (self._group_h(key, x, True), gu_stacks[1]) if gu_stacks is not None else None
+        if gu_stacks is not None and self._windowed(key, x, *gu_stacks):
+            gu, h_gu = self._window_product(key, x, gu_stacks[0])
+        else:
+            gu = (self._gemm(key, 0, x, W, b, None) if not self.packed.rollout(key) and self._gemm_ok(x, W, None)
+                  else self.packed.product(key, x))
+            h_gu = self._group_h(key, x, True) if gu_stacks is not None else None
+        gate_up = (h_gu, gu_stacks[1]) if gu_stacks is not None else None
         h_down = self._zeros(x.shape[0], down_A.shape[1], x.device) if down_A is not None else None
         act = swiglu_lora(gu, self.offsets, self.active, self.n_rows, gate_up,
                           (down_A, h_down) if down_A is not None else None)

@@ -38,6 +38,7 @@ EXPERT_RANK_MULTIPLE = 8
 WINDOW_POSITIONS = 8  # steps of at most this many adapters carry their shrinks in the base products
 WINDOW_SHARE = 4  # the shrink windows take at most a quarter of a group's rows
 _STACKS = itertools.count()
+_FILLS = [0]  # window fills that copied anything, by any decoder
 
 # modules that read the same input in a decoder layer (a group is named by its first member)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -94,6 +95,7 @@ class PackedLinears:
         self.member: dict[str, tuple[str, int, int]] = {}  # module -> (group, first row, end row)
         self.modules: dict[str, list[LoraLinear]] = {}  # group -> its members
         self.windows: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> weights and windows
+        self._filled: tuple | None = None  # what fill_windows last found in place, and when
         targets = set(targets)
         groups = []
         for members in window_groups(model):
@@ -147,6 +149,11 @@ class PackedLinears:
         another decoder's stacks. One multi-tensor copy for the windows that changed."""
         if len(slots) > self.positions:
             raise ValueError(f"fill_windows: {len(slots)} adapters for {self.positions} windows")
+        # most steps decode the adapters of the step before: nothing to compare window by window,
+        # unless some decoder has filled windows since (they may be this model's)
+        want = (stacks.uid, stacks.version, tuple((s, stacks.synced.get(s)) for s in slots))
+        if self._filled == (want, _FILLS[0]):
+            return
         dst, src = [], []
         for key, (W, _) in self.windows.items():
             stack = stacks.fused.get(key)
@@ -162,8 +169,10 @@ class PackedLinears:
                     src.append(A[slot])
                     record[i] = holds
         if dst:
+            _FILLS[0] += 1
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
+        self._filled = (want, _FILLS[0])
 
     def rows(self, name: str, weight: torch.Tensor) -> tuple[str, int, int] | None:
         """``(group, first row, end row)`` of module ``name`` if ``weight`` is still its packed view."""

@@ -87,3 +87,53 @@ def test_shrink_windows_equal_eager(hf_models):
         # the shrink kernels, the later ones (two adapters at most) none
         assert products > 0, i
         assert (shrinks > 0) == (i == 0), (i, shrinks)
+
+
+def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
+    """How many windows a model gets (a power of two, at most WINDOW_POSITIONS, each group's windows
+    at most 1 / WINDOW_SHARE of its rows), the memory they take (rows rounded up to WINDOW_ALIGN),
+    weights unchanged, and a second packing of the same model (another decoder, with or without
+    windows) reusing the first's tensors."""
+    import torch
+    from torch import nn
+
+    from ember.core.layers.lora import LoraLinear
+    from ember.core.sampling import static_route as sr
+
+    torch.manual_seed(0)
+    attn, mlp = nn.Module(), nn.Module()
+    H = 256
+    for mod, names in ((attn, {"q_proj": 256, "k_proj": 128, "v_proj": 128, "o_proj": H}),
+                       (mlp, {"gate_proj": 512, "up_proj": 512})):
+        for name, out in names.items():
+            lin = LoraLinear(H, out, False, "attn")
+            lin.weight.data.normal_()
+            lin.lora_name = name
+            setattr(mod, name, lin)
+    model = nn.Module()
+    model.attn, model.mlp = attn, mlp
+    before = {m.lora_name: m.weight.detach().clone() for m in model.modules() if isinstance(m, LoraLinear)}
+    # q/k/v: 512 rows // (4 · 3 · 16) = 2 windows; o: 256 // 64 = 4; gate/up: 1024 // 128 = 8
+    packed = sr.PackedLinears(model, 16, before)
+    assert packed.positions == 2 and set(packed.windows) == {"q_proj", "o_proj", "gate_proj"}
+    spare = {k: W.shape[0] - packed.weights[k][0].shape[0] for k, (W, _) in packed.windows.items()}
+    assert spare == {"q_proj": 128, "o_proj": 128, "gate_proj": 128}, spare  # 96, 32, 64 rounded up
+    for m in model.modules():
+        if isinstance(m, LoraLinear):
+            assert m.weight.equal(before[m.lora_name]) and packed.rows(m.lora_name, m.weight) is not None
+    # a module the bank does not adapt gets no window (and a single one is not packed)
+    assert set(sr.PackedLinears(model, 16, set(before) - {"o_proj"}).windows) == {"q_proj", "gate_proj"}
+    # the product: the base output, then the windows' rows (a whole multiple of 128)
+    W, _ = packed.windows["o_proj"]
+    W[H:].normal_()
+    x = torch.randn(3, H)
+    y = packed.window_product("o_proj", x, 32)
+    assert y.shape == (3, H + 128)
+    torch.testing.assert_close(y, x @ W.T)
+    # a second decoder shares the tensors, with windows or without
+    for rank in (16, 0):
+        again = sr.PackedLinears(model, rank, before)
+        for key, (Wk, _) in again.weights.items():
+            assert Wk.data_ptr() == packed.weights[key][0].data_ptr(), (rank, key)
+    # no windows where the cap leaves none (a rank too large for these groups)
+    assert sr.PackedLinears(model, 64, before).positions == 0

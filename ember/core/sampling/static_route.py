@@ -39,11 +39,6 @@ WINDOW_POSITIONS = 8  # steps of at most this many adapters carry their shrinks 
 WINDOW_SHARE = 4  # the shrink windows take at most a quarter of a group's rows
 _STACKS = itertools.count()
 _FILLS = [0]  # window fills that copied anything, by any decoder
-WINDOW_ALIGN = 128  # the window rows a product multiplies: a multiple of this
-
-
-def _aligned(rows: int) -> int:
-    return -(-rows // WINDOW_ALIGN) * WINDOW_ALIGN
 
 # modules that read the same input in a decoder layer (a group is named by its first member)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -118,7 +113,7 @@ class PackedLinears:
         with torch.no_grad():
             for members, windowed in groups:
                 key = members[0].lora_name
-                spare = _aligned(self.positions * len(members) * window_rank) if windowed else 0
+                spare = self.positions * len(members) * window_rank if windowed else 0
                 W = side_by_side([m.weight for m in members], spare)
                 fresh = W.data_ptr() != members[0].weight.data_ptr()  # newly packed: its windows hold zeros
                 b = side_by_side([m.bias for m in members], spare) if members[0].bias is not None else None
@@ -144,10 +139,9 @@ class PackedLinears:
         """``x`` times group ``key``'s weights and the first ``cols`` rows of its windows:
         ``[N, out + cols]``, the base output then the windows' shrinks."""
         W, b = self.windows[key]
-        # window rows in whole multiples of WINDOW_ALIGN (rows past the step's windows are computed,
-        # never read): on an H100, 64 rows of x times 24,576 + 64 gate/up rows took 5.6 % longer
-        # than times 24,576, for 0.3 % more bytes (bench/shrink_windows.py)
-        end = min(self.weights[key][0].shape[0] + _aligned(cols), W.shape[0])
+        # exactly the step's windows: rounding their rows up to a multiple of 128 or 256 (computed,
+        # never read) was level with this on an H100 (bench/shrink_windows.py, 2026-12-07)
+        end = self.weights[key][0].shape[0] + cols
         return F.linear(x, W[:end], b[:end] if b is not None else None)
 
     def fill_windows(self, stacks: LoraStacks, slots: list[int]) -> None:
@@ -458,7 +452,7 @@ class StaticRoute:
         width = A.shape[1]
         y = self.packed.window_product(key, x, self.windows * width)
         out = self.packed.weights[key][0].shape[0]
-        h = y[:, out : out + self.windows * width].unflatten(1, (self.windows, width))
+        h = y[:, out:].unflatten(1, (self.windows, width))
         self._h = (key, x, h)
         return y[:, :out], h
 

@@ -111,6 +111,11 @@ def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
             setattr(mod, name, lin)
     model = nn.Module()
     model.attn, model.mlp = attn, mlp
+    # o's weight: the first rows of a larger tensor (as a loader may give): rows after it are not
+    # spare, the packing must copy it rather than take them for windows
+    big = torch.randn(H + 64, H)
+    attn.o_proj.weight.data = big[:H]
+    tail = big[H:].clone()
     before = {m.lora_name: m.weight.detach().clone() for m in model.modules() if isinstance(m, LoraLinear)}
     # q/k/v: 512 rows // (4 · 3 · 16) = 2 windows; o: 256 // 64 = 4; gate/up: 1024 // 128 = 8
     packed = sr.PackedLinears(model, 16, before)
@@ -120,6 +125,7 @@ def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
     for m in model.modules():
         if isinstance(m, LoraLinear):
             assert m.weight.equal(before[m.lora_name]) and packed.rows(m.lora_name, m.weight) is not None
+    assert packed.windows["o_proj"][0].data_ptr() != big.data_ptr() and big[H:].equal(tail)
     # a module the bank does not adapt gets no window (and a single one is not packed)
     assert set(sr.PackedLinears(model, 16, set(before) - {"o_proj"}).windows) == {"q_proj", "gate_proj"}
     # the product: the base output, then the step's windows

@@ -265,14 +265,16 @@ class LoraLinear(nn.Module):
         return lora.linear(self.lora_name, x, self.weight, bias)
 
 
-def side_by_side(parts: list[torch.Tensor], spare: int = 0) -> torch.Tensor:
+def side_by_side(parts: list[torch.Tensor], spare: int = 0, owned: bool = False) -> torch.Tensor:
     """``parts`` concatenated along rows (dim 0), followed by ``spare`` rows of zeros; the tensor
-    they are views of if packed already with at least that many rows after them (no copy). The
-    static decoder lays a shared-input group's weights (and their rollout copies) side by side
-    with it, and the spare rows hold the adapters' shrink factors that its base product multiplies
-    too (:class:`~ember.core.sampling.static_route.PackedLinears`)."""
+    they are views of if packed already (no copy). The static decoder lays a shared-input group's
+    weights (and their rollout copies) side by side with it, and the spare rows hold the adapters'
+    shrink factors that its base product multiplies too
+    (:class:`~ember.core.sampling.static_route.PackedLinears`). ``owned``: the caller packed
+    ``parts`` with spare rows before, so rows after them in their storage are its own (else an
+    earlier packing must be exactly ``parts``: rows after them may be another tensor's)."""
     rows = sum(p.shape[0] for p in parts)
-    base = _packed_base(parts)
+    base = _packed_base(parts, owned)
     if base is not None and base.shape[0] >= rows + spare:
         return base[: rows + spare]
     out = torch.zeros(rows + spare, *parts[0].shape[1:], dtype=parts[0].dtype, device=parts[0].device)
@@ -280,17 +282,19 @@ def side_by_side(parts: list[torch.Tensor], spare: int = 0) -> torch.Tensor:
     return out
 
 
-def _packed_base(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor of all the rows of the storage that ``parts`` begin, as consecutive row blocks in
-    order from its start (an earlier packing, with any rows after them), else None."""
+def _packed_base(parts: list[torch.Tensor], tail: bool = False) -> torch.Tensor | None:
+    """The tensor whose storage ``parts`` fill as consecutive row blocks in order from its start (an
+    earlier packing), exactly or, with ``tail``, with any rows after them (all the storage's rows);
+    else None."""
     storage = parts[0].untyped_storage()
     ptr = storage.data_ptr()
     for p in parts:
         if p.untyped_storage().data_ptr() != storage.data_ptr() or p.data_ptr() != ptr or not p.is_contiguous():
             return None
         ptr += p.numel() * p.element_size()
+    end = storage.data_ptr() + storage.nbytes()
     row_bytes = parts[0][:1].numel() * parts[0].element_size()
-    if row_bytes == 0 or storage.nbytes() % row_bytes:
+    if ptr != end and not (tail and row_bytes and storage.nbytes() % row_bytes == 0):
         return None
-    rows = storage.nbytes() // row_bytes
+    rows = storage.nbytes() // row_bytes if ptr != end else sum(p.shape[0] for p in parts)
     return torch.empty(0, dtype=parts[0].dtype, device=parts[0].device).set_(storage, 0, (rows, *parts[0].shape[1:]))

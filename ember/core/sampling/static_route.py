@@ -59,6 +59,13 @@ def shared_input_groups(model: CausalLM) -> list[list[LoraLinear]]:
     return groups
 
 
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s storage is and how large (a packing with windows is recognised by it: its views
+    keep it alive, so no other tensor can take its place)."""
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
 def window_groups(model: CausalLM) -> list[list[LoraLinear]]:
     """The groups :class:`PackedLinears` packs: the shared-input groups, then each attention output
     projection (``o_proj``) alone, whose shrink a window can carry too (the down projection's runs
@@ -114,9 +121,12 @@ class PackedLinears:
             for members, windowed in groups:
                 key = members[0].lora_name
                 spare = self.positions * len(members) * window_rank if windowed else 0
-                W = side_by_side([m.weight for m in members], spare)
-                fresh = W.data_ptr() != members[0].weight.data_ptr()  # newly packed: its windows hold zeros
-                b = side_by_side([m.bias for m in members], spare) if members[0].bias is not None else None
+                first = members[0]
+                # rows after the weights in their storage are windows only where a packing here left them
+                owned = getattr(first, "decode_windows_storage", None) == _storage(first.weight)
+                W = side_by_side([m.weight for m in members], spare, owned)
+                fresh = W.data_ptr() != first.weight.data_ptr()  # newly packed: its windows hold zeros
+                b = side_by_side([m.bias for m in members], spare, owned) if first.bias is not None else None
                 start = 0
                 for m in members:
                     end = start + m.out_features
@@ -129,11 +139,12 @@ class PackedLinears:
                 self.modules[key] = members
                 if spare:
                     self.windows[key] = (W, b)
-                    record = getattr(members[0], "decode_windows", None)
+                    record = getattr(first, "decode_windows", None)
                     if fresh or record is None:
-                        members[0].decode_windows = [None] * self.positions
+                        first.decode_windows = [None] * self.positions
                     elif len(record) < self.positions:
                         record.extend([None] * (self.positions - len(record)))
+                    first.decode_windows_storage = _storage(W)
 
     def window_product(self, key: str, x: torch.Tensor, cols: int) -> torch.Tensor:
         """``x`` times group ``key``'s weights and the first ``cols`` rows of its windows:

@@ -21,10 +21,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import graph_us, hardware_line
+from bench.lora_decode import GROUPS as SHAPES
+from bench.lora_decode import HIDDEN, LAYERS
 from ember.core.kernels import lora_decode as ld
 
-HIDDEN, LAYERS = 4096, 36
-GROUPS = {"qkv": (3, 6144), "o": (1, 4096), "gate_up": (2, 24576)}  # members, base rows (all read HIDDEN)
+# the groups whose shrink a window carries (the down projection's runs in the SwiGLU kernel):
+# members, base rows; all read HIDDEN
+GROUPS = {name: SHAPES[name][1:] for name in ("qkv", "o", "gate_up")}
 
 
 def _round(rows: int, to: int) -> int:

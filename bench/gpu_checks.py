@@ -1408,6 +1408,16 @@ def check_shrink_windows() -> None:
     _decoder_variants("shrink windows", [("windows again", {}), ("shrink kernels", {"shrink_windows": False})])
 
 
+def check_qkv_kernel() -> None:
+    """The q/k/v kernel (``SamplerConfig.qkv_kernel``: the q/k/v LoRA expand, the q/k norms and
+    rotations and the KV write in one launch) against the three kernels, in the static decoder
+    (:func:`_decoder_variants`), with shrink windows and without. A delta added to the wrong head's
+    columns, a key left unrotated or stored at the wrong slot would change the logprobs far beyond
+    the noise."""
+    _decoder_variants("q/k/v kernel", [("three kernels again", {}), ("q/k/v kernel", {"qkv_kernel": True}),
+                                       ("q/k/v kernel, shrink kernels", {"qkv_kernel": True, "shrink_windows": False})])
+
+
 CHECKS = {
     "gdn": lambda: check_gdn(),
     "sampling": lambda: check_sampling(),
@@ -1438,6 +1448,7 @@ CHECKS = {
     "decode_gemm": lambda: check_decode_gemm_decode(),
     "swiglu_lora": lambda: check_swiglu_lora(),
     "shrink_windows": lambda: check_shrink_windows(),
+    "qkv_kernel": lambda: check_qkv_kernel(),
     "mixed": lambda: check_mixed(),
     "rebuild": lambda: check_rebuild(),
 }

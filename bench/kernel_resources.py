@@ -104,6 +104,7 @@ def main() -> None:
             name = f"prefix kernel, {rows} query heads a program"
             print(_row(name, warps, r))
     swiglu()
+    qkv()
     if "--variants" in sys.argv:
         variants(split_sig, scalars)
 
@@ -114,7 +115,7 @@ def swiglu() -> None:
 
     sig = {"GU": "*bf16", "HGU": "*fp32", "BGU": "*bf16", "AD": "*bf16", "HD": "*fp32", "ACT": "*bf16",
            "OFFS": "*i32", "ROWS": "*i32", "ACTIVE": "*i32", "N_ACTIVE": "*i32",
-           **_strides("stride_gu", "stride_hgu", "stride_bg", "stride_bo", "stride_ag", "stride_ar", "stride_hd",
+           **_strides("stride_gu", "stride_hgu", "stride_hj", "stride_bg", "stride_bo", "stride_ag", "stride_ar", "stride_hd",
                       "stride_act"),
            "N": "i32", "I": "i32", "R": "i32", "RD": "i32"}
     for block_m, block_k in (sw.swiglu_config(64), (64, 256), (32, 512)):
@@ -122,6 +123,25 @@ def swiglu() -> None:
                   "R_PAD": 32, "RD_PAD": 32, "PREC": "tf32", "G_PAD": 16, "PDL": True}
         r = resources(sw._swiglu_lora, dict(sig), consts, 8, num_stages=3, unaligned=("N", "R", "RD"))
         print(_row(f"swiglu kernel, {block_m} rows x {block_k} columns", 8, r))
+
+
+def qkv() -> None:
+    """The q/k/v kernel (``qkv_decode``) at Qwen3-8B's heads, rank 32, with and without LoRA."""
+    from ember.core.kernels import qkv_decode as qd
+
+    sig = {"Y": "*bf16", "H": "*fp32", "B": "*bf16", "QW": "*bf16", "KW": "*bf16", "COS": "*bf16", "SIN": "*bf16",
+           "QO": "*bf16", "KC": "*bf16", "VC": "*bf16", "SLOTS": "*i64", "OFFS": "*i32", "ROWS": "*i32",
+           "ACTIVE": "*i32", "N_ACTIVE": "*i32",
+           **_strides("stride_y", "stride_hm", "stride_hj", "stride_bg", "stride_bo", "stride_c", "stride_qt",
+                      "stride_qh"),
+           "N": "i32", "HQ": "i32", "HK": "i32", "D": "i32", "R": "i32", "rot_half": "i32", "eps_q": "fp32",
+           "eps_k": "fp32"}
+    for lora in (True, False):
+        consts = {"HAS_LORA": lora, "HAS_ROWS": True, "NORM": True, "ZERO_CENTRED": False, "HAS_REST": False,
+                  "BLOCK_M": 16, "HALF": 64, "BLOCK_D": 16, "R_PAD": 32, "PREC": "tf32", "G_PAD": 2, "PDL": True}
+        for warps in (4, 8):
+            r = resources(qd._qkv_rope_write, dict(sig), consts, warps, unaligned=("N", "R", "HQ", "HK"))
+            print(_row(f"q/k/v kernel, 16 rows, {'LoRA rank 32' if lora else 'no LoRA'}", warps, r))
 
 
 def variants(split_sig: dict, scalars: tuple[str, ...]) -> None:

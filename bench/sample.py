@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -198,6 +199,7 @@ def run_ember(
     dependent_launch: bool = SamplerConfig.dependent_launch,
     decode_gemm: bool = SamplerConfig.decode_gemm,
     shrink_windows: bool = SamplerConfig.shrink_windows,
+    qkv_kernel: bool = SamplerConfig.qkv_kernel,
 ) -> dict:
     bank = AdapterBank(model, max_adapters=bank_slots, max_rank=max(64, rank))
     slots = fill_adapters(bank, fill, rank)
@@ -216,6 +218,7 @@ def run_ember(
         dependent_launch=dependent_launch,
         decode_gemm=decode_gemm,
         shrink_windows=shrink_windows,
+        qkv_kernel=qkv_kernel,
     )
     sync()
     t_start = time.perf_counter()
@@ -467,6 +470,10 @@ def main() -> None:
                     help="SamplerConfig.shrink_windows (0/1; a step of few adapters multiplies their LoRA shrink in the "
                          "base products, else shrink kernels); a comma list as for --dependent-launch (names "
                          "<workload>+windows or <workload>+shrinks)")
+    ap.add_argument("--qkv-kernel", default=str(int(SamplerConfig.qkv_kernel)),
+                    help="SamplerConfig.qkv_kernel (0/1; the q/k/v LoRA expand, norms, rotations and KV write as one "
+                         "kernel, else three); a comma list as for --dependent-launch (names <workload>+qkvkernel or "
+                         "<workload>+threekernels)")
     ap.add_argument("--gemm-configs", type=Path, default=None,
                     help="decode GEMM launch choices measured by bench/decode_gemm.py --out (its decode_gemm.json)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -495,16 +502,15 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    # one variant per (--dependent-launch, --decode-gemm, --shrink-windows) triple; the first keeps the
-    # workloads' names
-    variants = [{"dependent_launch": bool(int(dl)), "decode_gemm": bool(int(g)), "shrink_windows": bool(int(w))}
-                for dl in args.dependent_launch.split(",") for g in args.decode_gemm.split(",")
-                for w in args.shrink_windows.split(",")]
+    # one variant per combination of the options' values (--dependent-launch, --decode-gemm,
+    # --shrink-windows, --qkv-kernel); the first keeps the workloads' names, the others add a suffix
+    names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm"),
+             "shrink_windows": ("+shrinks", "+windows"), "qkv_kernel": ("+threekernels", "+qkvkernel")}
+    values = [[bool(int(v)) for v in getattr(args, k).split(",")] for k in names]
+    variants = [dict(zip(names, combo, strict=True)) for combo in itertools.product(*values)]
     current = dict(variants[0])
 
     def suffix(v: dict) -> str:
-        names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm"),
-                 "shrink_windows": ("+shrinks", "+windows")}
         return "".join(names[k][v[k]] for k in names if v[k] != variants[0][k])
 
     def ember(*a, **k):

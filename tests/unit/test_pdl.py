@@ -22,6 +22,7 @@ PARTICIPANTS = {
     "ember.core.kernels.kv_write": ("_kv_write",),
     "ember.core.kernels.lora_decode": ("_lora_shrink_kernel", "_lora_expand_kernel"),
     "ember.core.kernels.swiglu_decode": ("_swiglu_lora",),
+    "ember.core.kernels.qkv_decode": ("_qkv_rope_write",),
     "ember.core.kernels.sampling": ("_partials", "_finish"),
     "ember.core.kernels.paged_decode": ("_paged_decode_kernel", "_paged_decode_combine", "_shared_prefix_kernel"),
 }
@@ -43,6 +44,7 @@ READ_EARLY = {
     "_lora_shrink_kernel": {"A", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
     "_lora_expand_kernel": {"B", "OFFS", "ROWS", "ACTIVE", "N_ACTIVE", "COL0"},
     "_swiglu_lora": {"OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
+    "_qkv_rope_write": {"OFFS", "ROWS", "ACTIVE", "N_ACTIVE"},
 }
 WAIT = "if PDL:\n    gdc_wait()\n    gdc_launch_dependents()"
 

@@ -161,16 +161,24 @@ ENGINE_SCRIPT = textwrap.dedent(
     from tests.triton_interp import LaunchGrids, patch_interpreter
     patch_interpreter()
 
-    from ember.core.kernels import lora_decode, swiglu_decode
+    from ember.core.kernels import lora_decode, qkv_decode, swiglu_decode
     from ember.core.sampling import SamplerConfig
     from tests.unit.test_sampler import INTERPRETED_FIRST_TOKENS, _worker, decoded, static_decode_requests
 
     swiglu = LaunchGrids(swiglu_decode, "_swiglu_lora")
     shrink = LaunchGrids(lora_decode, "_lora_shrink_kernel")
+    expand = LaunchGrids(lora_decode, "_lora_expand_kernel")
+    qkv = LaunchGrids(qkv_decode, "_qkv_rope_write")
 
-    worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True))
+    worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True, qkv_kernel=True))
     results = worker.sample(static_decode_requests(worker, INTERPRETED_FIRST_TOKENS))
     assert swiglu.grids, "the static decoder never ran the SwiGLU kernel"
+    # q/k/v's LoRA expand runs in the q/k/v kernel: a layer's expands are o's and down's alone
+    # a step's expands: each layer's o and down, and the LM head's
+    layers = worker.model.config.num_layers
+    steps = len(qkv.grids) // layers
+    assert steps and len(qkv.grids) == steps * layers, (len(qkv.grids), layers)
+    assert len(expand.grids) == steps * (2 * layers + 1), (len(expand.grids), steps, layers)
     # the shrinks' programs per split follow the adapters with rows in the step, not the bank's
     # slots: one for the last steps (only one adapter's request still decoding), more while all
     # three decode side by side
@@ -184,7 +192,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 def test_static_decode_through_the_kernels_equals_eager(hf_models):
     """The whole static decode step on the Triton path (under the interpreter: the LoRA shrink and
-    expand, the SwiGLU kernel, the KV write, the fused norms) gives the eager decoder's tokens and
+    expand, the SwiGLU kernel, the q/k/v kernel with its KV write, the fused norms) gives the eager decoder's tokens and
     logprobs (the PyTorch path, in this process), with three adapters (one without MLP LoRA) and a
     base-model row in the same steps."""
     _, path = hf_models["qwen3"]

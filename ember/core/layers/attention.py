@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ember.core.batch import to_device
 from ember.core.config import AttentionSpec
+from ember.core.layers.rope import qk_norms
 
 
 @cache
@@ -106,3 +107,30 @@ class PackedAttention:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
         return fn(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, **kwargs)
+
+
+def decode_qkv_attention(attn, x: torch.Tensor, ctx, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's attention straight from the layer's packed q/k/v product, where the context
+    offers both halves: the LoRA route's ``qkv_product`` (the static decoder's
+    :class:`~ember.core.sampling.static_route.StaticRoute`: the packed product, its LoRA delta not
+    yet added) and the attention's ``attend_qkv`` (:class:`~ember.core.sampling.attention.DecodeAttention`
+    on the Triton path: one kernel adds the delta, normalises and rotates the queries and keys and
+    stores the keys and values in the cache, :mod:`ember.core.kernels.qkv_decode`). ``None``
+    elsewhere, and the layer projects, rotates and attends as usual.
+
+    ``attn``: a layer with ``q_proj``, ``k_proj``, ``v_proj``, ``q_norm`` and ``k_norm`` (RMSNorms
+    or None), ``head_dim``, ``layer``, ``spec`` and ``scale`` (:class:`ember.core.models.llama.Attention`)."""
+    product = getattr(ctx.lora, "qkv_product", None)
+    takes = getattr(ctx.attend, "takes_qkv", None)
+    if product is None or takes is None or torch.is_grad_enabled() or x.dim() != 2 or not takes(x):
+        return None
+    norms = qk_norms(attn.q_norm, attn.k_norm, x.dtype)
+    d = attn.head_dim
+    q_out, k_out = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    if norms is False or attn.v_proj.weight.shape[0] != k_out or q_out % d or k_out % d or cos.shape[-1] > d:
+        return None
+    got = product(attn.q_proj, x)
+    if got is None:
+        return None
+    y, lora = got
+    return ctx.attend.attend_qkv(attn.layer, y, (q_out // d, k_out // d), cos, sin, norms, lora, attn.spec, attn.scale)

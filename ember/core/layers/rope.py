@@ -74,19 +74,24 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tenso
     both rotations, reading the heads through their strides; a decode step's attention otherwise
     spent six launches here (two copies of the packed projection's strided heads, two norms, two
     rotations). The values are those of the separate kernels."""
-    if q_norm is None:
-        fusable = True
-    else:
-        w = q_norm.weight
-        fusable = (q_norm.zero_centred == k_norm.zero_centred and w.dtype == k_norm.weight.dtype == q.dtype == k.dtype)
-    if fusable and not torch.is_grad_enabled() and fused.use_triton(q, k, cos):
-        if q_norm is None:
-            return fused.qk_norm_rope(q, k, None, None, 0.0, 0.0, False, cos, sin)
-        return fused.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, q_norm.zero_centred,
-                                  cos, sin)
+    norms = qk_norms(q_norm, k_norm, q.dtype) if q.dtype == k.dtype else False
+    if norms is not False and not torch.is_grad_enabled() and fused.use_triton(q, k, cos):
+        return fused.qk_norm_rope(q, k, *(norms or (None, None, 0.0, 0.0, False)), cos, sin)
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def qk_norms(q_norm, k_norm, dtype: torch.dtype) -> tuple | None | bool:
+    """The q/k RMSNorms as the fused kernels take them, ``(q_weight, k_weight, eps_q, eps_k,
+    zero_centred)``; ``None`` without norms; ``False`` where one kernel cannot do both (the norms
+    differ in kind, or their weights are not in ``dtype``)."""
+    if q_norm is None:
+        return None
+    w = q_norm.weight
+    if q_norm.zero_centred != k_norm.zero_centred or not w.dtype == k_norm.weight.dtype == dtype:
+        return False
+    return w, k_norm.weight, q_norm.eps, k_norm.eps, q_norm.zero_centred
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ember.core.config import ModelConfig
+from ember.core.layers.attention import decode_qkv_attention
 from ember.core.layers.lora import LoraLinear
 from ember.core.layers.mlp import SwiGLU
 from ember.core.layers.moe import SparseMoE
@@ -39,12 +40,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
-        q = self.q_proj(x, ctx.lora).view(T, -1, d)
-        k = self.k_proj(x, ctx.lora).view(T, -1, d)
-        v = self.v_proj(x, ctx.lora).view(T, -1, d)
         cos, sin = ctx.rope(self.rotary, x.dtype)
-        q, k = norm_rope(q, k, self.q_norm, self.k_norm, cos, sin)
-        o = ctx.attend(self.layer, q, k, v, self.spec, self.scale)
+        o = decode_qkv_attention(self, x, ctx, cos, sin)  # the static decoder's step: one kernel to attention
+        if o is None:
+            q = self.q_proj(x, ctx.lora).view(T, -1, d)
+            k = self.k_proj(x, ctx.lora).view(T, -1, d)
+            v = self.v_proj(x, ctx.lora).view(T, -1, d)
+            q, k = norm_rope(q, k, self.q_norm, self.k_norm, cos, sin)
+            o = ctx.attend(self.layer, q, k, v, self.spec, self.scale)
         return self.o_proj(o.reshape(T, -1), ctx.lora)
 
 

@@ -32,6 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ember.core.config import AttentionSpec
 from ember.core.kernels import fused
 from ember.core.kernels.paged_decode import PREFIX_GROUP, paged_decode_triton
+from ember.core.kernels.qkv_decode import QkvLora, qkv_rope_write
 from ember.core.layers.attention import PackedAttention
 from ember.core.layers.qsa import BlockSelection, selected_attention
 from ember.core.layers.relative_attention import PackedRelativeAttention, RelativeAttentionSpec
@@ -416,6 +417,25 @@ class DecodeAttention:
         self, layer: int, q, k, v, spec: AttentionSpec, scale: float, selection: BlockSelection | None = None
     ) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
+        return self._attend(layer, q, spec, scale, selection)
+
+    def takes_qkv(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`attend_qkv` runs here (its kernel: the Triton path)."""
+        return fused.use_triton(x, self.slot_mapping)
+
+    def attend_qkv(self, layer: int, y: torch.Tensor, heads: tuple[int, int], cos: torch.Tensor, sin: torch.Tensor,
+                   norms: tuple | None, lora: QkvLora | None, spec: AttentionSpec, scale: float) -> torch.Tensor:
+        """:meth:`__call__` from a layer's packed q/k/v product ``y`` (``heads = (Hq, Hk)``): one
+        kernel adds its LoRA delta ``lora`` (if any), normalises (``norms``, see
+        :func:`~ember.core.kernels.qkv_decode.qkv_rope_write`) and rotates the queries and keys, and
+        stores the keys and values in the cache; then attention as there."""
+        Hq, Hk = heads
+        D = y.shape[1] // (Hq + 2 * Hk)
+        kc, vc = self.cache.pages(layer, (Hk, D), (Hk, D))
+        q = qkv_rope_write(y, heads, cos, sin, kc, vc, self.slot_mapping, norms, lora)
+        return self._attend(layer, q, spec, scale, None)
+
+    def _attend(self, layer: int, q, spec: AttentionSpec, scale: float, selection: BlockSelection | None) -> torch.Tensor:
         if selection is None:
             window = _window(spec)
             return paged_decode_attention(

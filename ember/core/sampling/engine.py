@@ -139,6 +139,11 @@ class SamplerConfig:
       after the packed weights, instead of launching a shrink kernel for each
       (:class:`~ember.core.sampling.static_route.PackedLinears`; costs up to a quarter of those
       weights' memory, and nothing where the decode kernels do not run).
+    * ``qkv_kernel``: with the static decoder and its kernels, a Llama-style attention layer's
+      q/k/v LoRA expand, q/k norms and rotations and KV write run as one kernel after its packed
+      q/k/v product (:mod:`ember.core.kernels.qkv_decode`) instead of three. Off by default until a
+      GPU has checked and timed it (``bench/gpu_checks.py qkv_kernel``, ``bench/sample.py
+      --qkv-kernel 1,0``): it was built on 2026-12-07 while no GPU was lent.
     """
 
     max_seqs: int = 256
@@ -157,6 +162,7 @@ class SamplerConfig:
     dependent_launch: bool = True
     decode_gemm: bool = False
     shrink_windows: bool = True
+    qkv_kernel: bool = False
 
 
 class StepRecord(NamedTuple):
@@ -262,6 +268,7 @@ class SamplingEngine:
                 model, bank, self.cache, self.max_seq_len, buckets, config.cuda_graphs, self.states,
                 dependent_launch=config.dependent_launch, decode_gemm=config.decode_gemm,
                 shared_prefix=config.shared_prefix_attention, shrink_windows=config.shrink_windows,
+                qkv_kernel=config.qkv_kernel,
             )
         self.stats = EngineStats()
         self.prefix: PrefixIndex | None = None

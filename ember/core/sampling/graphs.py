@@ -135,8 +135,10 @@ class StaticDecoder:
         decode_gemm: bool = False,
         shared_prefix: bool = True,
         shrink_windows: bool = True,
+        qkv_kernel: bool = False,
     ):
         self.model = model
+        self.qkv_kernel = qkv_kernel
         self.shared_prefix = shared_prefix and fused.use_triton(torch.empty(0, device=cache.device))
         self.cache = cache
         self.states = states if states is not None else RecurrentStateStore()
@@ -357,7 +359,7 @@ class StaticDecoder:
         bound = span - 1 if span else self.max_positions - 1 if self.sparse_from is None else self.sparse_from - 1
         route = StaticRoute(self.stacks, buf.offsets, buf.n_rows, self.packed, lora=use_lora,
                             rows=buf.positions.shape[0], gemm=self.gemm, max_active=adapters,
-                            windows=self._windows(use_lora, adapters))
+                            windows=self._windows(use_lora, adapters), qkv_kernel=self.qkv_kernel)
         if use_lora and fused.use_triton(buf.offsets):
             # the active-group list at the step's start: the LoRA kernels read it before their
             # grid-dependency wait (kernels.pdl, "read early"), so no kernel close before them may write it

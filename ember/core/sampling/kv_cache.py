@@ -130,11 +130,17 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``k``/``v`` (``[T, Hkv, D]``) of one layer at the flat slots ``slot_mapping`` ``[T]``."""
+        kc, vc = self.pages(layer, tuple(k.shape[1:]), tuple(v.shape[1:]))
+        kv_write(kc, vc, k, v, slot_mapping)
+
+    def pages(self, layer: int, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value pages of ``layer`` (``[num_pages, page_size, *k_shape]`` and ``v_shape``),
+        allocated (zeros) if this is the layer's first write."""
         if layer not in self.k:
             shape = (self.num_pages, self.page_size)
-            self.k[layer] = torch.zeros(shape + tuple(k.shape[1:]), dtype=self.dtype, device=self.device)
-            self.v[layer] = torch.zeros(shape + tuple(v.shape[1:]), dtype=self.dtype, device=self.device)
-        kv_write(self.k[layer], self.v[layer], k, v, slot_mapping)
+            self.k[layer] = torch.zeros(shape + k_shape, dtype=self.dtype, device=self.device)
+            self.v[layer] = torch.zeros(shape + v_shape, dtype=self.dtype, device=self.device)
+        return self.k[layer], self.v[layer]
 
     def write_rows(self, layer: int, name: str, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store per-token rows ``x`` (``[T, ...]``) of ``(layer, name)`` at the flat slots ``slot_mapping``

@@ -29,6 +29,7 @@ from ember.core import rollout_precision
 from ember.core.adapters import AdapterBank
 from ember.core.kernels import decode_gemm, fused, lora_decode
 from ember.core.kernels.grouped import grouped_linear
+from ember.core.kernels.qkv_decode import QkvLora
 from ember.core.kernels.swiglu_decode import swiglu_lora
 from ember.core.layers.lora import LoraLinear, side_by_side
 from ember.core.models.base import CausalLM
@@ -372,7 +373,12 @@ class StaticRoute:
 
     ``kernels=False``: grouped products (``torch._grouped_mm``) instead of the decode kernels, which
     are made for a step's few rows: a prefill pass's route
-    (:meth:`~ember.core.sampling.graphs.StaticDecoder.prefill_route`)."""
+    (:meth:`~ember.core.sampling.graphs.StaticDecoder.prefill_route`).
+
+    ``qkv_kernel``: :meth:`qkv_product` hands an attention layer its packed q/k/v product with the
+    LoRA delta not yet added, for the kernel that adds it on its way to the cache
+    (:func:`~ember.core.layers.attention.decode_qkv_attention`); off: it answers ``None`` and the
+    layer multiplies through :meth:`linear`."""
 
     def __init__(
         self,
@@ -386,6 +392,7 @@ class StaticRoute:
         max_active: int | None = None,
         kernels: bool = True,
         windows: int = 0,
+        qkv_kernel: bool = False,
     ):
         self.stacks = stacks
         self.offsets = offsets
@@ -406,6 +413,7 @@ class StaticRoute:
             raise ValueError(f"StaticRoute: {windows} shrink windows for at most {max_active} adapters "
                              f"({packed.positions if packed is not None else 0} packed)")
         self.windows = windows  # shrink windows the packed products multiply (PackedLinears); 0: none
+        self.qkv_kernel = qkv_kernel and kernels  # qkv_product serves the q/k/v kernel
 
     @property
     def active(self) -> lora_decode.ActiveGroups:
@@ -529,21 +537,48 @@ class StaticRoute:
             return self.add_delta(name, x, F.linear(x, weight, bias))
         key, start, end = rows
         if self._y is None or self._y[0] != key or self._y[1] is not x:
-            stacks = self.stacks.fused.get(key) if self.lora else None
-            W, b = self.packed.weights[key]
-            B = stacks[1] if stacks is not None else None
-            if not self.packed.rollout(key) and self._gemm_ok(x, W, B):
-                y = self._gemm(key, 0, x, W, b, B)
-            elif stacks is not None and self._windowed(key, x, *stacks):
-                y, h = self._window_product(key, x, stacks[0])
-                y = self._expand(y, h, stacks[1], True, self.stacks.splits[key])
-            else:
-                y = self.packed.product(key, x)
-                if stacks is not None:
-                    triton = self._triton(y, x, *stacks)
-                    y = self._expand(y, self._group_h(key, x, triton), stacks[1], triton, self.stacks.splits[key])
+            y, h, triton = self._packed(key, x)
+            if h is not None:
+                y = self._expand(y, h, self.stacks.fused[key][1], triton, self.stacks.splits[key])
             self._y = (key, x, y)
         return self._y[2][:, start:end]
+
+    def _packed(self, key: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """Group ``key``'s packed base product and the shrink ``h`` of its LoRA delta, not yet expanded
+        (None: no delta left to add, none or the decode GEMM's epilogue added it), and whether ``h``
+        is for the Triton expand."""
+        stacks = self.stacks.fused.get(key) if self.lora else None
+        W, b = self.packed.weights[key]
+        B = stacks[1] if stacks is not None else None
+        if not self.packed.rollout(key) and self._gemm_ok(x, W, B):
+            return self._gemm(key, 0, x, W, b, B), None, True
+        if stacks is not None and self._windowed(key, x, *stacks):
+            return *self._window_product(key, x, stacks[0]), True
+        y = self.packed.product(key, x)
+        if stacks is None:
+            return y, None, True
+        triton = self._triton(y, x, *stacks)
+        return y, self._group_h(key, x, triton), triton
+
+    def qkv_product(self, q_proj: LoraLinear, x: torch.Tensor) -> tuple[torch.Tensor, QkvLora | None] | None:
+        """The packed q/k/v product of an attention layer whose ``q_proj`` is given (``[N, q, k and v
+        outputs]``) and its LoRA delta, not yet added (None: nothing to add), for
+        :func:`~ember.core.kernels.qkv_decode.qkv_rope_write`, which adds it on its way to the
+        norms, rotations and the cache. ``None`` where q, k and v are not packed together in that
+        order; a delta the Triton kernels cannot add is added here."""
+        if not self.qkv_kernel:
+            return None
+        rows = self.packed.rows(q_proj.lora_name, q_proj.weight) if self.packed is not None and x.dim() == 2 else None
+        if rows is None or rows[1] != 0 or len(self.packed.modules[rows[0]]) != 3:
+            return None
+        key = rows[0]
+        y, h, triton = self._packed(key, x)
+        if h is None:
+            return y, None
+        B = self.stacks.fused[key][1]
+        if not triton:
+            return self._expand(y, h, B, False, self.stacks.splits[key]), None
+        return y, QkvLora(h, B, self.offsets, self.n_rows, self.active)
 
     def swiglu(self, mlp, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate(x)) · up(x)`` of a SwiGLU block (:class:`~ember.core.layers.mlp.SwiGLU`):

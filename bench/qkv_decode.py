@@ -1,0 +1,124 @@
+"""The q/k/v kernel at Qwen3-8B's shapes: the packed q/k/v product followed by one launch that adds
+its LoRA delta, normalises and rotates the queries and keys and stores the keys and values
+(``kernels.qkv_decode``, what the static decoder runs with ``SamplerConfig.qkv_kernel``) against
+the product followed by the three kernels it replaces (the LoRA expand, ``qk_norm_rope``,
+``kv_write``). 36 layers in one CUDA graph, every layer's weights, factors and caches distinct (they
+stream from HBM, as in a step), with programmatic dependent launch off and on (on Hopper), with the
+adapters' LoRA and without any (the base model's rows: the norms, rotations and KV write alone).
+Both ways run in the same process, alternating; the product alone is timed too, so the small
+kernels' share of a step can be read off.
+
+    python3 bench/qkv_decode.py                       # 64 rows of one adapter, 256 rows of eight
+    python3 bench/qkv_decode.py --cases 64:1:32 --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import graph_us, hardware_line
+from bench.lora_decode import HIDDEN, KV, LAYERS, Q
+from ember.core.kernels import fused, pdl
+from ember.core.kernels import lora_decode as ld
+from ember.core.kernels.kv_write import kv_write
+from ember.core.kernels.qkv_decode import QkvLora, qkv_rope_write
+
+D, PAGE = 128, 16
+HQ, HK = Q // D, KV // D
+
+
+def factors(busy: int, rank: int, dev: str) -> torch.Tensor:
+    """A q/k/v group's ``B`` stack as ``LoraStacks`` lays it: block-diagonal over q, k and v, slot 0 zeros."""
+    B = torch.zeros(busy + 1, Q + 2 * KV, 3 * rank, device=dev, dtype=torch.bfloat16)
+    start = 0
+    for j, width in enumerate((Q, KV, KV)):
+        B[1:, start : start + width, j * rank : (j + 1) * rank] = torch.randn(busy, width, rank, device=dev) * rank**-0.5
+        start += width
+    return B
+
+
+def case(rows: int, busy: int, rank: int, layers: int = LAYERS, dev: str = "cuda", time=graph_us) -> dict:
+    """µs a step (``layers`` layers) of each way, with and without LoRA, dependent launch off and on."""
+    x = torch.randn(rows, HIDDEN, device=dev, dtype=torch.bfloat16)
+    counts = torch.tensor([0] + [rows // busy] * busy)
+    counts[-1] += rows - int(counts.sum())
+    offsets = torch.cumsum(counts, 0).to(torch.int32).to(dev)  # slot 0 empty, then the busy adapters'
+    n_rows = torch.tensor([rows], dtype=torch.int32, device=dev)
+    active = ld.active_groups(offsets, n_rows, skip_first=True, bound=busy)  # the static decoder's host bound
+    pages = rows // PAGE + 2
+    slots = torch.randperm(pages * PAGE, device=dev)[:rows]
+    pos = torch.randint(0, 4096, (rows,), device=dev)
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev).float() / D))
+    emb = torch.cat([pos[:, None] * inv, pos[:, None] * inv], dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    weights = []
+    for _ in range(layers):
+        W = torch.randn(Q + 2 * KV, HIDDEN, device=dev, dtype=torch.bfloat16) * HIDDEN**-0.5
+        B = factors(busy, rank, dev)
+        h = torch.randn(rows, 3 * rank, device=dev) * 0.1
+        kc = torch.zeros(pages, PAGE, HK, D, device=dev, dtype=torch.bfloat16)
+        norms = (1 + 0.1 * torch.randn(D, device=dev)).to(torch.bfloat16), (1 + 0.1 * torch.randn(D, device=dev)).to(
+            torch.bfloat16), 1e-6, 1e-6, False
+        weights.append((W, B, h, kc, torch.zeros_like(kc), norms))
+
+    def three(lora: bool):
+        def run(W, B, h, kc, vc, norms):
+            y = torch.mm(x, W.t())
+            if lora:
+                ld.lora_expand_add(y, h, B, offsets, n_rows, True, active=active, splits=(Q, KV, KV))
+            q, k = fused.qk_norm_rope(y[:, :Q].view(rows, HQ, D), y[:, Q : Q + KV].view(rows, HK, D), *norms, cos, sin)
+            kv_write(kc, vc, k, y[:, Q + KV :].view(rows, HK, D), slots)
+            return q
+        return [lambda a=a: run(*a) for a in weights]
+
+    def one(lora: bool):
+        def run(W, B, h, kc, vc, norms):
+            y = torch.mm(x, W.t())
+            return qkv_rope_write(y, (HQ, HK), cos, sin, kc, vc, slots, norms,
+                                  QkvLora(h, B, offsets, n_rows, active) if lora else None)
+        return [lambda a=a: run(*a) for a in weights]
+
+    out = {"product alone": time([lambda W=a[0]: torch.mm(x, W.t()) for a in weights]) * layers}
+    for on in (False, True) if pdl.supported(x.device) else (False,):
+        with pdl.launches(on):
+            tag = "dependent launch" if on else "plain launch"
+            for lora in (True, False):
+                what = "LoRA" if lora else "no LoRA"
+                for _ in range(2):  # alternating, twice each
+                    for name, ways in (("three kernels", three), ("q/k/v kernel", one)):
+                        us = time(ways(lora)) * layers
+                        key = f"{tag}, {what}, {name}"
+                        out[key] = min(out.get(key, us), us)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="64:1:32,256:8:32", help="rows:busy adapters:rank, comma separated")
+    ap.add_argument("--out", type=Path, default=None, help="folder for qkv_decode.json")
+    args = ap.parse_args()
+    print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
+    results = {}
+    for spec in args.cases.split(","):
+        rows, busy, rank = (int(v) for v in spec.split(":"))
+        r = case(rows, busy, rank)
+        results[spec] = r
+        print(f"{rows} rows, {busy} adapters of rank {rank} (µs a step, {LAYERS} layers, best of two):")
+        for name, us in r.items():
+            print(f"  {name:50s} {us:8.0f}", flush=True)
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "qkv_decode.json").write_text(json.dumps({"hardware": hardware_line(), "results": results},
+                                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()

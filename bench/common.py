@@ -1138,3 +1138,31 @@ def run_ranks(nproc: int, target: Callable, *args) -> dict:
     if any(p.exitcode for p in procs):
         return {"error": f"ranks exited with {[p.exitcode for p in procs]}"}
     return results.get()
+
+
+def run_cases(description: str, name: str, case: Callable[[int, int, int], dict], layers: int,
+              default: str = "64:1:32,256:8:32") -> None:
+    """The command line of a decode-kernel bench: ``--cases rows:busy adapters:rank,...`` (default:
+    workloads a and b) and ``--out`` (a folder for ``<name>.json``). Runs ``case(rows, busy, rank)``
+    for each and prints its entries, µs a step of ``layers`` layers (an entry may be a dict of them)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=default, help="rows:busy adapters:rank, comma separated")
+    ap.add_argument("--out", type=Path, default=None, help=f"folder for {name}.json")
+    args = ap.parse_args()
+    print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
+    results = {}
+    for spec in args.cases.split(","):
+        rows, busy, rank = (int(v) for v in spec.split(":"))
+        r = case(rows, busy, rank)
+        results[spec] = r
+        print(f"{rows} rows, {busy} adapters of rank {rank} (µs a step, {layers} layers):")
+        for key, us in r.items():
+            shown = ", ".join(f"{k} {v:.0f}" for k, v in us.items()) if isinstance(us, dict) else f"{us:.0f}"
+            print(f"  {key:50s} {shown}", flush=True)
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps({"hardware": hardware_line(), "results": results},
+                                                          indent=1))

@@ -14,8 +14,6 @@ kernels' share of a step can be read off.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_us, hardware_line
+from bench.common import graph_us, run_cases
 from bench.lora_decode import HIDDEN, KV, LAYERS, Q
 from ember.core.kernels import fused, pdl
 from ember.core.kernels import lora_decode as ld
@@ -100,24 +98,7 @@ def case(rows: int, busy: int, rank: int, layers: int = LAYERS, dev: str = "cuda
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="64:1:32,256:8:32", help="rows:busy adapters:rank, comma separated")
-    ap.add_argument("--out", type=Path, default=None, help="folder for qkv_decode.json")
-    args = ap.parse_args()
-    print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
-    results = {}
-    for spec in args.cases.split(","):
-        rows, busy, rank = (int(v) for v in spec.split(":"))
-        r = case(rows, busy, rank)
-        results[spec] = r
-        print(f"{rows} rows, {busy} adapters of rank {rank} (µs a step, {LAYERS} layers, best of two):")
-        for name, us in r.items():
-            print(f"  {name:50s} {us:8.0f}", flush=True)
-        torch.cuda.empty_cache()
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "qkv_decode.json").write_text(json.dumps({"hardware": hardware_line(), "results": results},
-                                                             indent=1))
+    run_cases(__doc__, "qkv_decode", case, LAYERS)
 
 
 if __name__ == "__main__":

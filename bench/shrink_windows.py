@@ -11,8 +11,6 @@ timed as they are (``exact``) and rounded up to multiples of 128 and 256 rows.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_us, hardware_line
+from bench.common import graph_us, run_cases
 from bench.lora_decode import GROUPS as SHAPES
 from bench.lora_decode import HIDDEN, LAYERS
 from ember.core.kernels import lora_decode as ld
@@ -75,23 +73,7 @@ def case(rows: int, busy: int, rank: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="64:1:32,256:8:32", help="rows:busy adapters:rank, comma separated")
-    ap.add_argument("--out", type=Path, default=None, help="folder for shrink_windows.json")
-    args = ap.parse_args()
-    print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
-    results = {}
-    for spec in args.cases.split(","):
-        rows, busy, rank = (int(v) for v in spec.split(":"))
-        r = case(rows, busy, rank)
-        results[spec] = r
-        print(f"{rows} rows, {busy} adapters of rank {rank} (µs a step, {LAYERS} layers):")
-        for group, us in r.items():
-            print(f"  {group:8s} " + ", ".join(f"{k} {v:.0f}" for k, v in us.items()), flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "shrink_windows.json").write_text(json.dumps({"hardware": hardware_line(), "results": results},
-                                                                 indent=1))
+    run_cases(__doc__, "shrink_windows", case, LAYERS)
 
 
 if __name__ == "__main__":

@@ -71,3 +71,22 @@ def run_interpreted(script: str, timeout: int = 900) -> str:
                          check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+def rel_err(a, b) -> float:
+    """``‖a − b‖ / ‖b‖`` in float64 (the kernel scripts' measure against their references)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def seeded_randn(seed: int = 0):
+    """``randn(*shape, scale=1.0)`` drawing from one generator seeded with ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale: float = 1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    randn.generator = g
+    return randn

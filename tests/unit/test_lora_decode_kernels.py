@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     """
     import types
     import torch
-    from tests.triton_interp import LaunchGrids, patch_interpreter
+    from tests.triton_interp import LaunchGrids, patch_interpreter, rel_err as rel
     patch_interpreter()
 
     from ember.core.kernels import fused, lora_decode as ld
@@ -42,9 +42,6 @@ SCRIPT = textwrap.dedent(
                 ref[start_:end_] += x[start_:end_].double() @ A[g].double().T @ B[g].double().T
             start = end
         return ref
-
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
     def check(name, got, ref, tol):
         err = rel(got, ref)

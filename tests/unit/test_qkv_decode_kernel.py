@@ -13,20 +13,15 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from tests.triton_interp import patch_interpreter
+    from tests.triton_interp import patch_interpreter, rel_err as rel, seeded_randn
     patch_interpreter()
 
     from ember.core.kernels import fused, lora_decode as ld
     from ember.core.kernels.kv_write import kv_write
     from ember.core.kernels.qkv_decode import QkvLora, qkv_rope_write
 
-    g = torch.Generator().manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g) * scale
-
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    randn = seeded_randn(0)
+    g = randn.generator
 
     def stack(G, widths, R, dtype):
         # as LoraStacks builds a packed group's B: block-diagonal over q, k, v; slot 0 zeros

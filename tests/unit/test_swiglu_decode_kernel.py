@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import types
     import torch
     from torch import nn
-    from tests.triton_interp import patch_interpreter
+    from tests.triton_interp import patch_interpreter, rel_err as rel, seeded_randn
     patch_interpreter()
 
     from ember.core.kernels import lora_decode as ld
@@ -28,13 +28,7 @@ SCRIPT = textwrap.dedent(
     from ember.core.layers.mlp import SwiGLU
     from ember.core.sampling.static_route import PackedLinears, StaticRoute
 
-    g = torch.Generator().manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g) * scale
-
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    randn = seeded_randn(0)
 
     def stacks(G, I, H, R, RD, dtype):
         # as LoraStacks builds them: gate/up side by side (B block-diagonal), slot 0 zeros

@@ -73,7 +73,7 @@ def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool |
         cuda_graphs=graphs,
         static_decode=static,
         overlap_decode=overlap,
-        **options,  # dependent_launch, decode_gemm
+        **options,  # dependent_launch, decode_gemm, shared_prefix_attention, qkv_kernel
     )
     return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
 
@@ -373,6 +373,9 @@ def main() -> None:
     ap.add_argument("--shared-prefix-attention", type=int, choices=(0, 1),
                     default=int(SamplerConfig.shared_prefix_attention),
                     help="steps: SamplerConfig.shared_prefix_attention (a group's shared prompt read once a step)")
+    ap.add_argument("--qkv-kernel", type=int, choices=(0, 1), default=int(SamplerConfig.qkv_kernel),
+                    help="steps: SamplerConfig.qkv_kernel (the q/k/v LoRA expand, norms, rotations and KV write "
+                         "as one kernel)")
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
                     help="prefill: the sampler's rollout precision")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -392,7 +395,8 @@ def main() -> None:
         grouped = [p for p in prompts for _ in range(args.group_samples)]  # a group's requests in a row
         r = step_breakdown(model, grouped, args.new, args.rank, args.adapters, args.bank_slots,
                            dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm),
-                           shared_prefix_attention=bool(args.shared_prefix_attention))
+                           shared_prefix_attention=bool(args.shared_prefix_attention),
+                           qkv_kernel=bool(args.qkv_kernel))
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "prefill" in only:

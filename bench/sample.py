@@ -430,6 +430,19 @@ def run_parallel(args, hf_cfg, prompts) -> dict:
     return run_ranks(args.nproc, _parallel_rank, args, hf_cfg, prompts)
 
 
+# SamplerConfig switches that run the a/b workloads once per value: what turning one on does, then
+# the suffix of a variant's workload names with it off and on
+SWITCHES = {
+    "dependent_launch": ("programmatic dependent launch of the decode step's Triton kernels", "+nopdl", "+pdl"),
+    "decode_gemm": (("the decode step's dense products as Ember's decode GEMM with the LoRA expand in its "
+                     "epilogue, else cuBLAS"), "+cublas", "+gemm"),
+    "shrink_windows": (("a step of few adapters multiplies their LoRA shrink in the base products, else shrink "
+                        "kernels"), "+shrinks", "+windows"),
+    "qkv_kernel": ("the q/k/v LoRA expand, norms, rotations and KV write as one kernel, else three",
+                   "+threekernels", "+qkvkernel"),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
@@ -458,22 +471,11 @@ def main() -> None:
                     help="workload a (and gap): the sampler's copy of the base weights (the trainer stays bf16)")
     ap.add_argument("--long-prompt", type=int, default=16384, help="stall: the long prompt's tokens")
     ap.add_argument("--step-tokens", type=int, default=2048, help="stall: max_prefill_tokens, the per-step budget")
-    ap.add_argument("--dependent-launch", default=str(int(SamplerConfig.dependent_launch)),
-                    help="SamplerConfig.dependent_launch (0/1; programmatic dependent launch of the decode step's "
-                         "Triton kernels); a comma list runs the a/b workloads once per value (later values named "
-                         "<workload>+pdl or <workload>+nopdl)")
-    ap.add_argument("--decode-gemm", default=str(int(SamplerConfig.decode_gemm)),
-                    help="SamplerConfig.decode_gemm (0/1; the decode step's dense products as Ember's decode GEMM with "
-                         "the LoRA expand in its epilogue, else cuBLAS); a comma list as for --dependent-launch (names "
-                         "<workload>+gemm or <workload>+cublas)")
-    ap.add_argument("--shrink-windows", default=str(int(SamplerConfig.shrink_windows)),
-                    help="SamplerConfig.shrink_windows (0/1; a step of few adapters multiplies their LoRA shrink in the "
-                         "base products, else shrink kernels); a comma list as for --dependent-launch (names "
-                         "<workload>+windows or <workload>+shrinks)")
-    ap.add_argument("--qkv-kernel", default=str(int(SamplerConfig.qkv_kernel)),
-                    help="SamplerConfig.qkv_kernel (0/1; the q/k/v LoRA expand, norms, rotations and KV write as one "
-                         "kernel, else three); a comma list as for --dependent-launch (names <workload>+qkvkernel or "
-                         "<workload>+threekernels)")
+    for option, (what, off, on) in SWITCHES.items():
+        ap.add_argument("--" + option.replace("_", "-"), default=str(int(getattr(SamplerConfig, option))),
+                        help=f"SamplerConfig.{option} (0/1: {what}); a comma list runs the a/b workloads once per "
+                             f"value, one variant per combination of the switches (later ones named <workload>{on} "
+                             f"or <workload>{off})")
     ap.add_argument("--gemm-configs", type=Path, default=None,
                     help="decode GEMM launch choices measured by bench/decode_gemm.py --out (its decode_gemm.json)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -502,16 +504,14 @@ def main() -> None:
     grpo_prompts = make_prompts(vocab, args.grpo_prompts, args.grpo_prompt_len, seed=2)
     graphs = not args.no_graphs
     static = {"auto": None, "eager": False, "static": True}[args.decode]
-    # one variant per combination of the options' values (--dependent-launch, --decode-gemm,
-    # --shrink-windows, --qkv-kernel); the first keeps the workloads' names, the others add a suffix
-    names = {"dependent_launch": ("+nopdl", "+pdl"), "decode_gemm": ("+cublas", "+gemm"),
-             "shrink_windows": ("+shrinks", "+windows"), "qkv_kernel": ("+threekernels", "+qkvkernel")}
-    values = [[bool(int(v)) for v in getattr(args, k).split(",")] for k in names]
-    variants = [dict(zip(names, combo, strict=True)) for combo in itertools.product(*values)]
+    # one variant per combination of the switches' values; the first keeps the workloads' names, the
+    # others add a suffix for each switch that differs
+    values = [[bool(int(v)) for v in getattr(args, k).split(",")] for k in SWITCHES]
+    variants = [dict(zip(SWITCHES, combo, strict=True)) for combo in itertools.product(*values)]
     current = dict(variants[0])
 
     def suffix(v: dict) -> str:
-        return "".join(names[k][v[k]] for k in names if v[k] != variants[0][k])
+        return "".join(SWITCHES[k][1 + v[k]] for k in SWITCHES if v[k] != variants[0][k])
 
     def ember(*a, **k):
         return run_ember(*a, **current, **k)

@@ -214,24 +214,24 @@ def qkv_rope_write(
                              f"and {lora.active.bound} active groups")
     qw, kw, eps_q, eps_k, zero_centred = norms if norms is not None else (y, y, 0.0, 0.0, False)
     rest = D - 2 * rot_half
-    has_lora = lora is not None and lora.active.bound > 0
-    offsets = lora.offsets if has_lora else slots
-    n_rows = lora.n_rows if has_lora else None
+    if lora is not None and lora.active.bound > 0:
+        h, B, offsets, active = lora.h, lora.B, lora.offsets, lora.active
+        n_rows, R = lora.n_rows, h.shape[-1] // 3
+        h_strides = (h.stride(0), h.stride(1) if h.dim() == 3 else 0)
+        group = dict(HAS_LORA=True, R_PAD=max(16, _pow2(R)), PREC=_prec(B), G_PAD=groups_pad(active))
+        ids, count, b_strides = active.ids, active.count, (B.stride(0), B.stride(1))
+    else:  # no delta: the LoRA arguments are never read
+        h, B, offsets, n_rows, R = y, y, slots, None, 1
+        ids, count, h_strides, b_strides = slots, slots, (0, 0), (0, 0)
+        group = dict(HAS_LORA=False, R_PAD=16, PREC="tf32", G_PAD=2)
     block_m = 16
     _qkv_rope_write[(Hq + 2 * Hk, triton.cdiv(N, block_m))](
-        y, lora.h if has_lora else y, lora.B if has_lora else y, qw, kw, cos, sin, q,
-        kc.view(-1, Hk, D), vc.view(-1, Hk, D), slots, offsets,
-        n_rows if n_rows is not None else offsets,
-        lora.active.ids if has_lora else offsets, lora.active.count if has_lora else offsets,
-        y.stride(0), lora.h.stride(0) if has_lora else 0,
-        lora.h.stride(1) if has_lora and lora.h.dim() == 3 else 0,
-        lora.B.stride(0) if has_lora else 0, lora.B.stride(1) if has_lora else 0,
-        cos.stride(0), q.stride(0), q.stride(1),
-        N, Hq, Hk, D, lora.h.shape[-1] // 3 if has_lora else 1, rot_half, eps_q, eps_k,
-        HAS_LORA=has_lora, HAS_ROWS=n_rows is not None, NORM=norms is not None, ZERO_CENTRED=zero_centred,
-        HAS_REST=rest > 0, BLOCK_M=block_m, HALF=max(16, _pow2(rot_half)), BLOCK_D=max(16, _pow2(max(rest, 1))),
-        R_PAD=max(16, _pow2(lora.h.shape[-1] // 3)) if has_lora else 16,
-        PREC=_prec(lora.B) if has_lora else "tf32", G_PAD=groups_pad(lora.active) if has_lora else 2, num_warps=4,
-        **pdl.options(),
+        y, h, B, qw, kw, cos, sin, q, kc.view(-1, Hk, D), vc.view(-1, Hk, D), slots, offsets,
+        n_rows if n_rows is not None else offsets, ids, count,
+        y.stride(0), *h_strides, *b_strides, cos.stride(0), q.stride(0), q.stride(1),
+        N, Hq, Hk, D, R, rot_half, eps_q, eps_k,
+        HAS_ROWS=n_rows is not None, NORM=norms is not None, ZERO_CENTRED=zero_centred, HAS_REST=rest > 0,
+        BLOCK_M=block_m, HALF=max(16, _pow2(rot_half)), BLOCK_D=max(16, _pow2(max(rest, 1))), num_warps=4,
+        **group, **pdl.options(),
     )
     return q

@@ -1140,22 +1140,26 @@ def run_ranks(nproc: int, target: Callable, *args) -> dict:
     return results.get()
 
 
-def run_cases(description: str, name: str, case: Callable[[int, int, int], dict], layers: int,
-              default: str = "64:1:32,256:8:32") -> None:
+def run_cases(description: str, name: str, case: Callable[..., dict], layers: int,
+              default: str = "64:1:32,256:8:32", flags: dict[str, str] | None = None) -> None:
     """The command line of a decode-kernel bench: ``--cases rows:busy adapters:rank,...`` (default:
-    workloads a and b) and ``--out`` (a folder for ``<name>.json``). Runs ``case(rows, busy, rank)``
+    workloads a and b), ``--out`` (a folder for ``<name>.json``) and the bench's own ``flags`` (name:
+    help; each passed to ``case`` as a keyword, true when given). Runs ``case(rows, busy, rank)``
     for each and prints its entries, µs a step of ``layers`` layers (an entry may be a dict of them)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=default, help="rows:busy adapters:rank, comma separated")
     ap.add_argument("--out", type=Path, default=None, help=f"folder for {name}.json")
+    for flag, text in (flags or {}).items():
+        ap.add_argument("--" + flag.replace("_", "-"), action="store_true", help=text)
     args = ap.parse_args()
+    chosen = {flag: getattr(args, flag) for flag in flags or {}}
     print(f"hardware: {hardware_line()}; torch {torch.__version__}", flush=True)
     results = {}
     for spec in args.cases.split(","):
         rows, busy, rank = (int(v) for v in spec.split(":"))
-        r = case(rows, busy, rank)
+        r = case(rows, busy, rank, **chosen)
         results[spec] = r
         print(f"{rows} rows, {busy} adapters of rank {rank} (µs a step, {layers} layers):")
         for key, us in r.items():

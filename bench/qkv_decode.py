@@ -10,10 +10,16 @@ kernels' share of a step can be read off.
 
     python3 bench/qkv_decode.py                       # 64 rows of one adapter, 256 rows of eight
     python3 bench/qkv_decode.py --cases 64:1:32 --out bench-out
+    python3 bench/qkv_decode.py --sweep               # and the kernel's rows a program and warps
+
+``--sweep`` times the q/k/v kernel (with LoRA, dependent launch as the sampler's default) at each
+launch choice of rows a program and warps, after checking that its queries equal the default
+launch's (to a bf16 rounding); a choice that does not compile or differs is reported as such.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -25,8 +31,10 @@ from bench.common import graph_us, run_cases
 from bench.lora_decode import HIDDEN, KV, LAYERS, Q
 from ember.core.kernels import fused, pdl
 from ember.core.kernels import lora_decode as ld
+from ember.core.kernels import qkv_decode as qd
 from ember.core.kernels.kv_write import kv_write
 from ember.core.kernels.qkv_decode import QkvLora, qkv_rope_write
+from ember.core.sampling.engine import SamplerConfig
 
 D, PAGE = 128, 16
 HQ, HK = Q // D, KV // D
@@ -42,8 +50,10 @@ def factors(busy: int, rank: int, dev: str) -> torch.Tensor:
     return B
 
 
-def case(rows: int, busy: int, rank: int, layers: int = LAYERS, dev: str = "cuda", time=graph_us) -> dict:
-    """µs a step (``layers`` layers) of each way, with and without LoRA, dependent launch off and on."""
+def case(rows: int, busy: int, rank: int, layers: int = LAYERS, dev: str = "cuda", time=graph_us,
+         sweep: bool = False) -> dict:
+    """µs a step (``layers`` layers) of each way, with and without LoRA, dependent launch off and on;
+    ``sweep``: the q/k/v kernel's launch choices too."""
     x = torch.randn(rows, HIDDEN, device=dev, dtype=torch.bfloat16)
     counts = torch.tensor([0] + [rows // busy] * busy)
     counts[-1] += rows - int(counts.sum())
@@ -94,11 +104,27 @@ def case(rows: int, busy: int, rank: int, layers: int = LAYERS, dev: str = "cuda
                         us = time(ways(lora)) * layers
                         key = f"{tag}, {what}, {name}"
                         out[key] = min(out.get(key, us), us)
+    if sweep:
+        default = dict(qd._LAUNCH)
+        with pdl.launches(SamplerConfig.dependent_launch and pdl.supported(x.device)):
+            first = one(True)[0]
+            want = first()
+            for block_m, warps in itertools.product((16, 32), (2, 4, 8)):
+                qd._LAUNCH.update(block_m=block_m, num_warps=warps)
+                key = f"q/k/v kernel, LoRA, {block_m} rows a program, {warps} warps"
+                try:
+                    err = (first().float() - want.float()).abs().max() / want.float().abs().max()
+                    if err > 1e-2:  # the same sums; only a bf16 rounding may differ
+                        raise AssertionError(f"queries differ from the default launch's by {err:.1e}")
+                    out[key] = time(one(True)) * layers
+                except Exception as e:  # noqa: BLE001 - a choice that does not compile is reported, the rest run
+                    print(f"  {key}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        qd._LAUNCH.update(default)
     return out
 
 
 def main() -> None:
-    run_cases(__doc__, "qkv_decode", case, LAYERS)
+    run_cases(__doc__, "qkv_decode", case, LAYERS, flags={"sweep": "time the q/k/v kernel's launch choices too"})
 
 
 if __name__ == "__main__":

@@ -166,6 +166,11 @@ class QkvLora(NamedTuple):
     active: ActiveGroups
 
 
+# Rows a program and warps: 16 rows (the LoRA delta's smallest dot) and 4 warps fit the 255
+# registers without spilling at Qwen3's heads of 128; ``bench/qkv_decode.py --sweep`` times others.
+_LAUNCH = {"block_m": 16, "num_warps": 4}
+
+
 def qkv_rope_write(
     y: torch.Tensor,
     heads: tuple[int, int],
@@ -224,14 +229,15 @@ def qkv_rope_write(
         h, B, offsets, n_rows, R = y, y, slots, None, 1
         ids, count, h_strides, b_strides = slots, slots, (0, 0), (0, 0)
         group = dict(HAS_LORA=False, R_PAD=16, PREC="tf32", G_PAD=2)
-    block_m = 16
+    block_m = _LAUNCH["block_m"]
     _qkv_rope_write[(Hq + 2 * Hk, triton.cdiv(N, block_m))](
         y, h, B, qw, kw, cos, sin, q, kc.view(-1, Hk, D), vc.view(-1, Hk, D), slots, offsets,
         n_rows if n_rows is not None else offsets, ids, count,
         y.stride(0), *h_strides, *b_strides, cos.stride(0), q.stride(0), q.stride(1),
         N, Hq, Hk, D, R, rot_half, eps_q, eps_k,
         HAS_ROWS=n_rows is not None, NORM=norms is not None, ZERO_CENTRED=zero_centred, HAS_REST=rest > 0,
-        BLOCK_M=block_m, HALF=max(16, _pow2(rot_half)), BLOCK_D=max(16, _pow2(max(rest, 1))), num_warps=4,
+        BLOCK_M=block_m, HALF=max(16, _pow2(rot_half)), BLOCK_D=max(16, _pow2(max(rest, 1))),
+        num_warps=_LAUNCH["num_warps"],
         **group, **pdl.options(),
     )
     return q

@@ -46,8 +46,10 @@ SCRIPT = textwrap.dedent(
     from tests.unit.test_shrink_windows import MAX_RANK, phases
 
     static_route.WINDOW_SHARE = 1  # the tiny model's groups are too small for windows under the cap
-    worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True),
-                     max_rank=MAX_RANK)
+    # the three kernels after the q/k/v product (the q/k/v kernel is test_swiglu_decode_kernel's):
+    # the windowed q/k/v expand and the static decoder's path without the q/k/v kernel
+    worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True,
+                                         qkv_kernel=False), max_rank=MAX_RANK)
     packed = worker.sampler.static.packed
     assert packed.positions == 2 and len(packed.windows) == 6, (packed.positions, list(packed.windows))
 

@@ -164,10 +164,10 @@ ENGINE_SCRIPT = textwrap.dedent(
     expand = LaunchGrids(lora_decode, "_lora_expand_kernel")
     qkv = LaunchGrids(qkv_decode, "_qkv_rope_write")
 
-    worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True, qkv_kernel=True))
+    worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True))
     results = worker.sample(static_decode_requests(worker, INTERPRETED_FIRST_TOKENS))
     assert swiglu.grids, "the static decoder never ran the SwiGLU kernel"
-    # q/k/v's LoRA expand runs in the q/k/v kernel: a layer's expands are o's and down's alone
+    # the q/k/v kernel (the default) adds q/k/v's LoRA delta: a layer's expands are o's and down's alone
     # a step's expands: each layer's o and down, and the LM head's
     layers = worker.model.config.num_layers
     steps = len(qkv.grids) // layers

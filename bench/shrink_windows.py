@@ -1,6 +1,6 @@
 """Shrink windows at Qwen3-8B's shapes: the base product of q/k/v, o and gate/up with each busy
 adapter's LoRA ``A`` as extra rows (what the static decoder runs with ``SamplerConfig.shrink_windows``,
-:class:`ember.core.sampling.static_route.PackedLinears`) against the base product followed by the
+:class:`ember.core.sampling.packed_linears.PackedLinears`) against the base product followed by the
 shrink kernel (``lora_decode.lora_shrink``, what it runs without). 36 layers of each product in one
 CUDA graph, every layer's weights distinct (they stream from HBM, as in a step). Window rows are
 timed as they are (``exact``) and rounded up to multiples of 128 and 256 rows.

@@ -231,7 +231,7 @@ SCRIPT = textwrap.dedent(
     # packed base weights: one GEMM, one shrink and one expand for the group; members get their columns
     from torch import nn
     from ember.core.layers.lora import LoraLinear
-    from ember.core.sampling.static_route import PackedLinears
+    from ember.core.sampling.packed_linears import PackedLinears
 
     mlp = nn.Module()  # a gate/up pair (named "q" and "k" for the stacks above)
     mlp.gate_proj, mlp.up_proj = LoraLinear(128, 300, False, "mlp"), LoraLinear(128, 200, False, "mlp")

@@ -41,11 +41,11 @@ SCRIPT = textwrap.dedent(
     patch_interpreter()
 
     from ember.core.kernels import lora_decode
-    from ember.core.sampling import SamplerConfig, static_route
+    from ember.core.sampling import SamplerConfig, packed_linears
     from tests.unit.test_sampler import _worker, decoded
     from tests.unit.test_shrink_windows import MAX_RANK, phases
 
-    static_route.WINDOW_SHARE = 1  # the tiny model's groups are too small for windows under the cap
+    packed_linears.WINDOW_SHARE = 1  # the tiny model's groups are too small for windows under the cap
     # the three kernels after the q/k/v product (the q/k/v kernel is test_swiglu_decode_kernel's):
     # the windowed q/k/v expand and the static decoder's path without the q/k/v kernel
     worker = _worker(PATH, SamplerConfig(max_seqs=16, page_size=4, kv_tokens=1024, static_decode=True,
@@ -99,7 +99,7 @@ def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
     from torch import nn
 
     from ember.core.layers.lora import LoraLinear
-    from ember.core.sampling import static_route as sr
+    from ember.core.sampling import packed_linears as sr
 
     torch.manual_seed(0)
     attn, mlp = nn.Module(), nn.Module()

@@ -26,7 +26,8 @@ SCRIPT = textwrap.dedent(
     from ember.core.layers.activations import silu_mul
     from ember.core.layers.lora import LoraLinear
     from ember.core.layers.mlp import SwiGLU
-    from ember.core.sampling.static_route import PackedLinears, StaticRoute
+    from ember.core.sampling.packed_linears import PackedLinears
+    from ember.core.sampling.static_route import StaticRoute
 
     randn = seeded_randn(0)
 

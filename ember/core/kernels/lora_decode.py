@@ -16,7 +16,7 @@ each group with rows, the delta is ``x[rows] @ A[g].T @ B[g].T``. Two launches:
   delta to ``y`` in fp32 and rounding once to ``y``'s dtype (this fuses the ``y + delta`` add). For
   a packed group (``splits``) the block takes only its member's columns of the block-diagonal ``B``.
   ``h`` may come windowed from the base product instead (``[N, P, r]``: the static decoder's shrink
-  windows, :class:`~ember.core.sampling.static_route.PackedLinears`).
+  windows, :class:`~ember.core.sampling.packed_linears.PackedLinears`).
 
 Under programmatic dependent launch both kernels load the group list, the group's rows and their
 first factor block before the grid-dependency wait (:mod:`ember.core.kernels.pdl`, "read early"),
@@ -357,12 +357,12 @@ def lora_expand_add(
     :func:`expand_block`'s and :data:`GROUP_PROGRAMS` (the benchmark sweeps them). ``splits``: the
     output widths of a packed group's members when ``B`` is block-diagonal over them (member ``j``'s
     outputs take only factor columns ``[j·r/m, (j+1)·r/m)``, zeros elsewhere, as
-    :class:`~ember.core.sampling.static_route.LoraStacks` packs them): each block of outputs then
+    :class:`~ember.core.sampling.lora_stacks.LoraStacks` packs them): each block of outputs then
     multiplies only its member's columns, ``1/m`` of the factor bytes.
 
     ``h`` may also be *windowed*, ``[N, P, r]``: the ``i``-th active group's rows then read
     ``h[:, i]`` (the shrink carried out by the base product, one window of columns per active group
-    in the order of ``active``, :class:`~ember.core.sampling.static_route.PackedLinears`); ``P``
+    in the order of ``active``, :class:`~ember.core.sampling.packed_linears.PackedLinears`); ``P``
     must be at least ``active.bound``. Returns ``y``."""
     windowed = h.dim() == 3
     if windowed:

@@ -270,7 +270,7 @@ def side_by_side(parts: list[torch.Tensor], spare: int = 0, owned: bool = False)
     they are views of if packed already (no copy). The static decoder lays a shared-input group's
     weights (and their rollout copies) side by side with it, and the spare rows hold the adapters'
     shrink factors that its base product multiplies too
-    (:class:`~ember.core.sampling.static_route.PackedLinears`). ``owned``: the caller packed
+    (:class:`~ember.core.sampling.packed_linears.PackedLinears`). ``owned``: the caller packed
     ``parts`` with spare rows before, so rows after them in their storage are its own (else an
     earlier packing must be exactly ``parts``: rows after them may be another tensor's)."""
     rows = sum(p.shape[0] for p in parts)

@@ -5,7 +5,8 @@
 * :mod:`.kv_cache` — paged KV cache (block tables, shared pages) and recurrent-state store
 * :mod:`.attention` — prefill and decode attention over the cache (Triton decode kernel on CUDA)
 * :mod:`.decode` / :mod:`.graphs` — eager decode steps; static-shape steps for CUDA graphs
-* :mod:`.static_route` — the static steps' LoRA route, stacked factors and packed base weights
+* :mod:`.static_route` / :mod:`.lora_stacks` / :mod:`.packed_linears` — the static steps' LoRA
+  route, stacked factors and packed base weights
 * :mod:`.logits` — LM-head logits, temperature / top-k / top-p, seeded sampling
 * :mod:`.requests` — token-level requests, results and stop rules
 """

@@ -137,7 +137,7 @@ class SamplerConfig:
     * ``shrink_windows``: with the static decoder and its kernels, a step of few adapters multiplies
       their LoRA shrink factors in the base products of q/k/v, o and gate/up, laid as spare rows
       after the packed weights, instead of launching a shrink kernel for each
-      (:class:`~ember.core.sampling.static_route.PackedLinears`; costs up to a quarter of those
+      (:class:`~ember.core.sampling.packed_linears.PackedLinears`; costs up to a quarter of those
       weights' memory, and nothing where the decode kernels do not run).
     * ``qkv_kernel``: with the static decoder and its kernels, a Llama-style attention layer's
       q/k/v LoRA expand, q/k norms and rotations and KV write run as one kernel after its packed

@@ -8,10 +8,11 @@ every pointer fixed, so this decoder
 * keeps its inputs in static buffers (token ids, positions, cache slots, block table, lengths),
   refilled before each replay; padded rows write their keys to the scratch page and have length 0;
 * replaces the per-batch LoRA route by a static one (:mod:`ember.core.sampling.static_route`):
-  every bank slot's factors of a module live in one stack, rows (sorted by slot) find their adapter
-  through an ``offsets`` tensor, and each shared-input group's base weights are packed into one
-  GEMM. One graph thus serves any mix of adapters, and a configured-but-unused slot is an empty
-  group: no work;
+  every bank slot's factors of a module live in one stack (:mod:`~ember.core.sampling.lora_stacks`),
+  rows (sorted by slot) find their adapter through an ``offsets`` tensor, and each shared-input
+  group's base weights are packed into one GEMM (:mod:`~ember.core.sampling.packed_linears`). One
+  graph thus serves any mix of adapters, and a configured-but-unused slot is an empty group: no
+  work;
 * with ``dependent_launch``, on Hopper, launches the step's small Triton kernels with programmatic
   dependent launch, so each one's launch overlaps the kernel before it (:mod:`ember.core.kernels.pdl`);
 * with ``shared_prefix``, attends a prefix that several rows share once for them (cascade attention,
@@ -70,13 +71,9 @@ from ember.core.sampling.attention import PREFIX_GROUP, DecodeAttention, shared_
 from ember.core.sampling.decode import DecodeBatch, DecodeContext, block_table_array
 from ember.core.sampling.kv_cache import PagedKVCache, RecurrentStateStore
 from ember.core.sampling.logits import capped, gather_vocab, head_record, sample_rows
-from ember.core.sampling.static_route import (
-    RANK_MULTIPLE,
-    LoraStacks,
-    PackedLinears,
-    StaticRoute,
-    shared_input_groups,
-)
+from ember.core.sampling.lora_stacks import RANK_MULTIPLE, LoraStacks
+from ember.core.sampling.packed_linears import PackedLinears, shared_input_groups
+from ember.core.sampling.static_route import StaticRoute
 
 
 def default_buckets(max_seqs: int) -> tuple[int, ...]:

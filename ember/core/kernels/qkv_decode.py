@@ -167,7 +167,8 @@ class QkvLora(NamedTuple):
 
 
 # Rows a program and warps: 16 rows (the LoRA delta's smallest dot) and 4 warps fit the 255
-# registers without spilling at Qwen3's heads of 128; ``bench/qkv_decode.py --sweep`` times others.
+# registers without spilling at Qwen3's heads of 128. ``bench/qkv_decode.py --sweep`` times the
+# others: 32 rows and 2 or 8 warps were within the noise of this on an H100 (docs/performance.md).
 _LAUNCH = {"block_m": 16, "num_warps": 4}
 
 

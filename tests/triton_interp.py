@@ -79,6 +79,16 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_refused(*calls) -> None:
+    """Each of ``calls`` (no arguments) raises ``ValueError``: bad input refused, not run."""
+    for i, call in enumerate(calls):
+        try:
+            call()
+        except ValueError:
+            continue
+        raise AssertionError(f"bad call {i} was accepted")
+
+
 def seeded_randn(seed: int = 0):
     """``randn(*shape, scale=1.0)`` drawing from one generator seeded with ``seed``."""
     import torch

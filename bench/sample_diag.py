@@ -9,7 +9,7 @@ bookkeeping (each part timed with a device sync); times the captured graph alone
 and lists the GPU kernels of decode steps run without graphs (torch.profiler, ms per step).
 ``--group-samples G`` sends each prompt G times, one request each, as an RL client sends a group:
 the G sequences share the prompt's pages (workload grpo: ``--prompts 64 --prompt-len 512
---group-samples 8``).
+--group-samples 8``). ``--rollout-precision fp8`` runs the steps on the fp8 rollout copies.
 
 Part ``gemm``: one layer's base GEMMs at the batch's row count, alone and with q/k/v and gate/up
 fused into one product, under cuBLAS and cuBLASLt (µs and the bandwidth reached).
@@ -73,7 +73,7 @@ def make_engine(model, bank, n_prompts: int, plen: int, new: int, static: bool |
         cuda_graphs=graphs,
         static_decode=static,
         overlap_decode=overlap,
-        **options,  # dependent_launch, decode_gemm, shared_prefix_attention, qkv_kernel
+        **options,  # dependent_launch, decode_gemm, shared_prefix_attention, qkv_kernel, rollout_precision
     )
     return SamplingEngine(model, bank, cfg, max_seq_len=plen + new + page)
 
@@ -377,7 +377,7 @@ def main() -> None:
                     help="steps: SamplerConfig.qkv_kernel (the q/k/v LoRA expand, norms, rotations and KV write "
                          "as one kernel)")
     ap.add_argument("--rollout-precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
-                    help="prefill: the sampler's rollout precision")
+                    help="steps and prefill: the sampler's rollout precision (SamplerConfig.rollout_precision)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -396,7 +396,7 @@ def main() -> None:
         r = step_breakdown(model, grouped, args.new, args.rank, args.adapters, args.bank_slots,
                            dependent_launch=bool(args.dependent_launch), decode_gemm=bool(args.decode_gemm),
                            shared_prefix_attention=bool(args.shared_prefix_attention),
-                           qkv_kernel=bool(args.qkv_kernel))
+                           qkv_kernel=bool(args.qkv_kernel), rollout_precision=args.rollout_precision)
         print({k: v for k, v in r.items() if k != "profile_top"}, flush=True)
         results["steps"] = r
     if "prefill" in only:

@@ -1330,12 +1330,12 @@ def check_pdl() -> None:
         print(line, flush=True)
 
 
-def _decoder_variants(label: str, variants: list[tuple[str, dict]]) -> None:
+def _decoder_variants(label: str, variants: list[tuple[str, dict]], base: dict | None = None) -> None:
     """The static decoder with each of ``variants``' ``SamplerConfig`` options against the same
-    engine without them: 8 layers of a Qwen3 in fp32 (so the LoRA shrink's atomic adds move
-    logprobs by ~1e-6, not the bf16 ulps that flip tokens of a random model), three adapters mixed,
-    48 prompts sampled 64 tokens each through CUDA graphs, seeds fixed. Run the base options again
-    among the variants to show the noise."""
+    engine without them (``base``'s options in both): 8 layers of a Qwen3 in fp32 (so the LoRA
+    shrink's atomic adds move logprobs by ~1e-6, not the bf16 ulps that flip tokens of a random
+    model), three adapters mixed, 48 prompts sampled 64 tokens each through CUDA graphs, seeds
+    fixed. Run the base options again among the variants to show the noise."""
     from bench.common import random_ember_model
     from bench.sample import fill_adapters, make_prompts
     from ember.core.adapters import AdapterBank
@@ -1352,7 +1352,7 @@ def _decoder_variants(label: str, variants: list[tuple[str, dict]]) -> None:
 
     def sample(options: dict):
         config = SamplerConfig(max_seqs=64, kv_tokens=64 * 128, static_decode=True, cuda_graphs=True,
-                               **{"dependent_launch": False, "decode_gemm": False, **options})
+                               **{"dependent_launch": False, "decode_gemm": False, **(base or {}), **options})
         engine = SamplingEngine(model, bank, config, max_seq_len=128)
         assert engine.static is not None
         reqs = [GenerationRequest(p, 64, [7 + i], slot=slots[i % 3], temperature=1.0, stop=StopRule())
@@ -1379,13 +1379,16 @@ def _decoder_variants(label: str, variants: list[tuple[str, dict]]) -> None:
 def check_pdl_decode() -> None:
     """Programmatic dependent launch (``SamplerConfig.dependent_launch``) in the static decoder
     (:func:`_decoder_variants`). A kernel that read its input before the kernel before it finished
-    would change the logprobs far beyond the noise."""
+    would change the logprobs far beyond the noise. Also on the fp8 rollout copies."""
     from ember.core.kernels import pdl
 
     if not pdl.supported(torch.device("cuda")):
         print("pdl decode: needs sm_90 and a Triton with griddepcontrol; skipped")
         return
-    _decoder_variants("pdl decode", [("base again", {}), ("dependent launch", {"dependent_launch": True})])
+    variants = [("base again", {}), ("dependent launch", {"dependent_launch": True})]
+    _decoder_variants("pdl decode", variants)
+    # the fp8 rollout copies' products (activation quantisation, the fp8 decode GEMM, its split sum)
+    _decoder_variants("pdl decode, fp8 rollout", variants, base={"rollout_precision": "fp8"})
 
 
 def check_decode_gemm_decode() -> None:

@@ -25,6 +25,8 @@ PARTICIPANTS = {
     "ember.core.kernels.qkv_decode": ("_qkv_rope_write",),
     "ember.core.kernels.sampling": ("_partials", "_finish"),
     "ember.core.kernels.paged_decode": ("_paged_decode_kernel", "_paged_decode_combine", "_shared_prefix_kernel"),
+    "ember.core.kernels.fp8_quant": ("_quant_act",),
+    "ember.core.kernels.fp8_gemm": ("_fp8_gemm_kernel", "_sum_splits_kernel"),
 }
 
 

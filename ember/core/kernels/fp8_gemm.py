@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.core.kernels import fused
+from ember.core.kernels import fused, pdl
 
 BLOCK = 128  # the weight tile and activation block along K (and the weight tile along N)
 # rows up to which rollout_precision takes this kernel instead of scaled_mm: at 64 rows it was
@@ -48,12 +48,18 @@ if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
+
     @triton.jit
     def _fp8_gemm_kernel(
         XQ, XS, W, WS, P, M, N, K_BLOCKS, PER_SPLIT,
         stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ps, stride_pm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -80,7 +86,10 @@ if fused.HAVE_TRITON:
         tl.store(out, acc.to(P.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
 
     @triton.jit
-    def _sum_splits_kernel(P, Y, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(P, Y, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         # Y = sum over s of P[s] (in split order, fp32), rounded once to Y's dtype; P [SPLIT, numel]
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
@@ -165,9 +174,10 @@ def fp8_linear(
         xq.stride(0), xs.stride(0), q.stride(0), scale_inv.stride(0),
         parts.stride(0) if split > 1 else 0, N,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK,
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl.options(),
     )
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, block),)](parts, y, M * N, SPLIT=split, BLOCK=block, num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(M * N, block),)](parts, y, M * N, SPLIT=split, BLOCK=block, num_warps=4,
+                                                          **pdl.options())
     return y

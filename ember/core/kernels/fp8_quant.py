@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.core.kernels import fused
+from ember.core.kernels import fused, pdl
 
 BLOCK_K = 128  # the 1 x 128 activation block (rollout_precision.FP8_BLOCK)
 E4M3_MAX = 448.0
@@ -44,9 +44,14 @@ if fused.HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ember.core.kernels.pdl import gdc_launch_dependents, gdc_wait
+
     @triton.jit
     def _quant_act(X, Q, S, stride_xm, stride_qm, stride_sm, stride_sk, M,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # launched early: wait for the grid before this one (kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         pid_m = tl.program_id(0)
         kb = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -105,5 +110,5 @@ def quantize_act_fp8(x: torch.Tensor, outer_major_scales: bool = False) -> tuple
     block_m = min(32, triton.next_power_of_2(M))
     grid = (triton.cdiv(M, block_m), kb)
     _quant_act[grid](x, xq.view(torch.uint8), scales, x.stride(0), xq.stride(0), scales.stride(0),
-                     scales.stride(1), M, BLOCK_M=block_m, BLOCK_K=BLOCK_K, num_warps=4)
+                     scales.stride(1), M, BLOCK_M=block_m, BLOCK_K=BLOCK_K, num_warps=4, **pdl.options())
     return xq, scales

@@ -25,7 +25,8 @@ On an H100 at 64 rows, with the weights streamed from HBM, a Qwen3-8B layer's fo
 bf16; at 128 and 256 rows ``scaled_mm`` was faster (``docs/performance.md``).
 
 Launch shapes depend only on tensor shapes (never on values), so the products capture in a CUDA
-graph. :func:`config` picks the blocks and the split; the benchmark ``bench/fp8_decode_gemm.py``
+graph. Both kernels take part in programmatic dependent launch (:mod:`ember.core.kernels.pdl`)
+inside the static decoder's steps; neither reads anything before its wait. :func:`config` picks the blocks and the split; the benchmark ``bench/fp8_decode_gemm.py``
 sweeps them on the GPU.
 """
 

@@ -28,7 +28,8 @@ Launch: program ``(i, j)`` quantises rows ``i·BLOCK_M .. i·BLOCK_M + BLOCK_M -
 columns). The scales are written through strides, so the caller picks their layout: row-major
 ``[M, K/128]`` (what the PyTorch version returns) or outer-dim-major (the transposed storage that
 ``scaled_mm``'s ``BlockWise1x128`` recipe takes, saving the copy ``xs.t().contiguous().t()``), where
-a program's ``BLOCK_M`` scales are contiguous.
+a program's ``BLOCK_M`` scales are contiguous. The kernel takes part in programmatic dependent
+launch (:mod:`ember.core.kernels.pdl`) inside the static decoder's steps.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
     from torch import nn
 
     from ember.core.layers.lora import LoraLinear
-    from ember.core.sampling import packed_linears as sr
+    from ember.core.sampling import packed_linears
 
     torch.manual_seed(0)
     attn, mlp = nn.Module(), nn.Module()
@@ -120,7 +120,7 @@ def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
     tail = big[H:].clone()
     before = {m.lora_name: m.weight.detach().clone() for m in model.modules() if isinstance(m, LoraLinear)}
     # q/k/v: 512 rows // (4 · 3 · 16) = 2 windows; o: 256 // 64 = 4; gate/up: 1024 // 128 = 8
-    packed = sr.PackedLinears(model, 16, before)
+    packed = packed_linears.PackedLinears(model, 16, before)
     assert packed.positions == 2 and set(packed.windows) == {"q_proj", "o_proj", "gate_proj"}
     spare = {k: W.shape[0] - packed.weights[k][0].shape[0] for k, (W, _) in packed.windows.items()}
     assert spare == {"q_proj": 96, "o_proj": 32, "gate_proj": 64}, spare  # 2 windows of members · 16 rows
@@ -129,7 +129,7 @@ def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
             assert m.weight.equal(before[m.lora_name]) and packed.rows(m.lora_name, m.weight) is not None
     assert packed.windows["o_proj"][0].data_ptr() != big.data_ptr() and big[H:].equal(tail)
     # a module the bank does not adapt gets no window (and a single one is not packed)
-    assert set(sr.PackedLinears(model, 16, set(before) - {"o_proj"}).windows) == {"q_proj", "gate_proj"}
+    assert set(packed_linears.PackedLinears(model, 16, set(before) - {"o_proj"}).windows) == {"q_proj", "gate_proj"}
     # the product: the base output, then the step's windows
     W, _ = packed.windows["o_proj"]
     W[H:].normal_()
@@ -139,8 +139,8 @@ def test_windows_fit_under_the_cap_and_a_second_decoder_shares_them():
     torch.testing.assert_close(y, x @ W[: H + 16].T)
     # a second decoder shares the tensors, with windows or without
     for rank in (16, 0):
-        again = sr.PackedLinears(model, rank, before)
+        again = packed_linears.PackedLinears(model, rank, before)
         for key, (Wk, _) in again.weights.items():
             assert Wk.data_ptr() == packed.weights[key][0].data_ptr(), (rank, key)
     # no windows where the cap leaves none (a rank too large for these groups)
-    assert sr.PackedLinears(model, 64, before).positions == 0
+    assert packed_linears.PackedLinears(model, 64, before).positions == 0

@@ -26,8 +26,8 @@ bf16; at 128 and 256 rows ``scaled_mm`` was faster (``docs/performance.md``).
 
 Launch shapes depend only on tensor shapes (never on values), so the products capture in a CUDA
 graph. Both kernels take part in programmatic dependent launch (:mod:`ember.core.kernels.pdl`)
-inside the static decoder's steps; neither reads anything before its wait. :func:`config` picks the blocks and the split; the benchmark ``bench/fp8_decode_gemm.py``
-sweeps them on the GPU.
+inside the static decoder's steps; neither reads anything before its wait. :func:`config` picks
+the blocks and the split; the benchmark ``bench/fp8_decode_gemm.py`` sweeps them on the GPU.
 """
 
 from __future__ import annotations
